@@ -74,6 +74,12 @@ class LatentCache:
         """The cached [B, length, C + R] entries of one layer."""
         return self._buffers[layer][:, : self.length]
 
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on (to re-decode, branch or time a step repeatedly)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop length {length} must lie in 0..{self.length}")
+        self.length = length
+
     def advance(self, num_tokens: int) -> None:
         """Called by the model once every layer has written ``num_tokens`` new positions."""
         self.length += num_tokens
@@ -106,12 +112,12 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * qk_dim, bias=False)
+            self.hook_q_latent = HookPoint()  # [B, T, q_lora_rank] c_Q after its norm (only with a q latent)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * cfg.v_head_dim, cfg.hidden_size, bias=False)
 
-        self.hook_q_latent = HookPoint()  # [B, T, q_lora_rank] c_Q after its norm (absent if q_lora_rank is None)
         self.hook_kv_latent = HookPoint()  # [B, T, C] c_KV after its norm: what the cache stores
         self.hook_q_nope = HookPoint()  # [B, T, H, N]
         self.hook_q_pe = HookPoint()  # [B, T, H, R] before rotation

@@ -1,0 +1,42 @@
+"""Shared timing for the benchmarks: alternate the contenders round by round (so a busy, shared machine
+slows each alike) and report medians. Ratios, not absolute times, are the figures to quote."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def alternate(runs: dict[str, Callable[[], object]], rounds: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each run, timed in alternating rounds after ``warmup`` untimed rounds."""
+    for _ in range(warmup):
+        for run in runs.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def copy_bandwidth(num_bytes: int = 1 << 30, rounds: int = 5) -> float:
+    """Measured memory bandwidth in bytes/s: a large tensor copy reads and writes ``num_bytes`` each."""
+    import torch
+
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    seconds = alternate({"copy": lambda: dst.copy_(src)}, rounds=rounds)["copy"]
+    return 2 * num_bytes / seconds
+
+
+def matmul_rate(n: int = 2048, dtype=None, rounds: int = 5) -> float:
+    """Measured float32 (or ``dtype``) matmul rate in FLOP/s on square n x n matrices."""
+    import torch
+
+    a = torch.randn(n, n, dtype=dtype or torch.float32)
+    b = torch.randn(n, n, dtype=dtype or torch.float32)
+    seconds = alternate({"mm": lambda: a @ b}, rounds=rounds)["mm"]
+    return 2 * n**3 / seconds
