@@ -6,6 +6,10 @@ TransformerLens convention: ``fn(tensor, hook) -> None | replacement``, with ``h
 
 A hook point with nothing attached is a Python attribute test and a return: it costs nothing measurable and
 keeps no tensor alive. Expensive quantities (attention patterns) are computed only when a probe asks.
+
+    logits, cache = model.run_with_cache(ids, names="hook_resid_post")     # read (see activation_cache.py)
+    with model.hooks(fwd_hooks=[("layers.1.hook_attn_out", lambda t, hook: 0 * t)]):
+        ablated = model(ids)                                                # edit; detached on exit
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .activation_cache import ActivationCache
+
 HookFn = Callable[[torch.Tensor, "HookPoint"], torch.Tensor | None]
 NameFilter = str | Iterable[str] | Callable[[str], bool] | None  # see HookedModule.select_hook_names
+FwdHooks = Iterable[tuple[str | Callable[[str], bool], HookFn]]  # (exact name or predicate, fn) pairs
 
 
 class HookPoint(nn.Module):
@@ -57,7 +64,7 @@ class HookedModule(nn.Module):
             point.name = name
 
     def hook_names(self) -> list[str]:
-        """Every probe, in forward order."""
+        """Every probe, layer by layer in module order (a cache from run_with_cache is in firing order)."""
         return list(self._hook_points)
 
     def hook_point(self, name: str) -> HookPoint:
@@ -91,7 +98,7 @@ class HookedModule(nn.Module):
         return [n for name in names for n, _ in self.resolve_hook_names(name)]
 
     @contextmanager
-    def hooks(self, fwd_hooks: Iterable[tuple[str | Callable[[str], bool], HookFn]] = ()) -> Iterator[None]:
+    def hooks(self, fwd_hooks: FwdHooks = ()) -> Iterator[None]:
         """Attach ``(name_or_predicate, fn)`` pairs for the duration of the block; removed on exit, even on error.
 
         >>> with model.hooks(fwd_hooks=[("layers.1.hook_attn_out", lambda t, hook: t * 0)]):
@@ -107,6 +114,34 @@ class HookedModule(nn.Module):
         finally:
             for point, fn in reversed(attached):
                 point.fns.remove(fn)
+
+    def run_with_hooks(self, input_ids: torch.Tensor, fwd_hooks: FwdHooks = (), **forward_kwargs) -> torch.Tensor:
+        """``model(input_ids, **forward_kwargs)`` with ``fwd_hooks`` attached for this one forward."""
+        with self.hooks(fwd_hooks=fwd_hooks):
+            return self(input_ids, **forward_kwargs)
+
+    def run_with_cache(self, input_ids: torch.Tensor, names: NameFilter = None,
+                       device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                       **forward_kwargs) -> tuple[torch.Tensor, ActivationCache]:
+        """Forward once and record the probes selected by ``names`` -> ``(logits, cache)``.
+
+        ``names``: None (every probe), a list of exact names, a substring (``"hook_resid_post"``) or a predicate.
+        Tensors are stored detached (the forward still builds its graph if grad is on), moved to ``device`` and, if
+        floating point, cast to ``dtype`` when given. Recording hooks go after any already attached, so a cache
+        taken inside ``model.hooks(...)`` holds the edited activations. Asking for ``hook_pattern`` or
+        ``hook_attn_scores`` makes the naive attention path leave its fused kernel for an explicit softmax.
+        """
+        store: dict[str, torch.Tensor] = {}
+
+        def record(tensor: torch.Tensor, hook: HookPoint) -> None:
+            tensor = tensor.detach()
+            if device is not None or dtype is not None:
+                tensor = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+            store[hook.name] = tensor
+
+        with self.hooks(fwd_hooks=[(name, record) for name in self.select_hook_names(names)]):
+            logits = self(input_ids, **forward_kwargs)
+        return logits, ActivationCache(store, self)
 
     def reset_hooks(self) -> None:
         """Detach every function from every probe (a safety net for interactive sessions)."""

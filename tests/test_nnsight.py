@@ -1,0 +1,36 @@
+"""nnsight interop: ``nnsight.NNsight(model)`` reads and edits module outputs of a K2Model (optional dependency,
+tested with nnsight 0.8.1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_oracle import randomize, relative_error
+
+from k2lab import K2Config, K2Model
+
+nnsight = pytest.importorskip("nnsight", reason="nnsight is an optional test dependency (pip install nnsight)")
+
+TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
+
+
+def test_nnsight_reads_and_edits_mlp_outputs():
+    model = K2Model(TINY).eval()
+    randomize(model, 0)
+    ids = torch.randint(0, TINY.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain, cache = model.run_with_cache(ids, names="hook_mlp_out")
+        with model.hooks(fwd_hooks=[("layers.1.hook_mlp_out", lambda t, hook: torch.zeros_like(t))]):
+            zeroed = model(ids)
+    wrapped = nnsight.NNsight(model)
+    with torch.no_grad():
+        with wrapped.trace(ids):
+            read = wrapped.layers[2].mlp.output.save()
+            logits = wrapped.output.save()
+        with wrapped.trace(ids):
+            wrapped.layers[1].mlp.output[:] = 0
+            edited = wrapped.output.save()
+    assert torch.equal(read, cache["layers.2.hook_mlp_out"])
+    assert torch.equal(logits, plain)
+    assert relative_error(edited, zeroed) < 1e-6
+    assert relative_error(edited, plain) > 1e-3

@@ -1,0 +1,79 @@
+"""k2lab.routing: the router's selection rule, the per-layer trace, and bias flips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_oracle import randomize
+
+from k2lab import K2Config, K2Model
+from k2lab.interventions import edit_bias, force_route
+from k2lab.routing import RoutingTrace, select_experts, trace
+
+TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
+GROUPED = TINY.replace(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4)
+
+
+def _model(cfg: K2Config, seed: int = 0) -> K2Model:
+    model = K2Model(cfg).eval()
+    randomize(model, seed)  # random, non-zero correction bias
+    return model
+
+
+def _ids(batch: int = 2, length: int = 11) -> torch.Tensor:
+    return torch.randint(0, TINY.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+@pytest.mark.parametrize("cfg", [TINY, GROUPED], ids=["one_group", "grouped"])
+def test_trace_matches_the_router_probes(cfg):
+    model = _model(cfg)
+    _, cache = model.run_with_cache(_ids(), names=".mlp.gate.")
+    tr = trace(model, _ids())
+    assert tr.layers == [1, 2]
+    assert tr.indices.shape == (2, 2, 11, 4) and tr.scores.shape == (2, 2, 11, 16)
+    for j, layer in enumerate(tr.layers):
+        p = f"layers.{layer}.mlp.gate."
+        assert torch.equal(tr.indices[j], cache[p + "hook_topk_idx"])
+        assert torch.equal(tr.weights[j], cache[p + "hook_topk_weights"])
+        assert torch.equal(tr.scores[j], cache[p + "hook_scores"])
+        assert torch.equal(tr.choice_scores[j], cache[p + "hook_choice_scores"])
+        # the selection rule, groups included, reproduces the router exactly
+        assert torch.equal(select_experts(tr.choice_scores[j], 4, cfg.n_group, cfg.topk_group), tr.indices[j])
+    assert tr.row(2) == 1
+    with pytest.raises(ValueError, match="not a MoE layer"):
+        tr.row(0)
+
+
+@pytest.mark.parametrize("cfg", [TINY, GROUPED], ids=["one_group", "grouped"])
+def test_bias_flips_are_where_the_bias_changed_the_chosen_set(cfg):
+    model = _model(cfg, seed=2)
+    tr = trace(model, _ids())
+    for j, layer in enumerate(tr.layers):
+        with edit_bias(model, {layer: 0.0}):  # the router itself without this layer's bias; inputs unchanged
+            unbiased = trace(model, _ids())
+        assert torch.equal(tr.unbiased_indices[j], unbiased.indices[j])
+        changed = (tr.indices[j].sort(-1).values != unbiased.indices[j].sort(-1).values).any(-1)  # [B, T]
+        assert torch.equal(tr.bias_flips[j], changed)
+        assert unbiased.flip_counts[j] == 0
+    assert tr.bias_flips.any() and not tr.bias_flips.all()  # the random bias flips some tokens, not all
+    assert torch.equal(tr.flip_counts, tr.bias_flips.flatten(1).sum(-1))
+    reordered = (tr.indices != tr.unbiased_indices).any(-1) & ~tr.bias_flips
+    assert reordered.any()  # the same set in another order is not a flip
+
+
+def test_trace_sees_interventions_and_needs_the_gate_probes():
+    model = _model(TINY)
+    with force_route(model, {2: [0, 1, 2, 3]}):
+        tr = trace(model, _ids())
+    assert (tr.indices[1] == torch.tensor([0, 1, 2, 3])).all()
+    _, partial = model.run_with_cache(_ids(), names="hook_topk_idx")
+    with pytest.raises(KeyError, match="needs the gate probes"):
+        RoutingTrace.from_cache(partial)
+    with pytest.raises(ValueError, match="no MoE layer"):
+        trace(_model(TINY.replace(first_k_dense_replace=3)), _ids())
