@@ -2,11 +2,13 @@
 
 from .accounting import count_parameters, kv_cache_bytes, weight_bytes
 from .attention import LatentCache
-from .checkpoint import load
 from .config import K2Config
 from .generate import generate
+from .loader import load
 from .model import K2Model
+from .placement import plan
 
 __all__ = [
-    "K2Config", "K2Model", "LatentCache", "count_parameters", "generate", "kv_cache_bytes", "load", "weight_bytes",
+    "K2Config", "K2Model", "LatentCache", "count_parameters", "generate", "kv_cache_bytes", "load", "plan",
+    "weight_bytes",
 ]

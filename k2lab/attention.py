@@ -16,6 +16,7 @@ Both give the same scores, pattern and per-head output z (hook_z) to float32 rou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -37,17 +38,19 @@ class LatentCache:
     writes 576 values per layer instead of copying the context.
     """
 
-    def __init__(self, cfg: K2Config, batch_size: int, dtype: torch.dtype, device: torch.device | str,
-                 num_layers: int | None = None):
+    def __init__(self, cfg: K2Config, batch_size: int, dtype: torch.dtype,
+                 device: torch.device | str | Sequence[torch.device | str], num_layers: int | None = None):
         self.kv_lora_rank = cfg.kv_lora_rank
         self.width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         self.batch_size = batch_size
-        self.dtype, self.device = dtype, torch.device(device)
+        num_layers = num_layers if num_layers is not None else cfg.num_hidden_layers
+        # One device for all layers, or one per layer when a device_map spreads the blocks.
+        devices = [device] * num_layers if isinstance(device, (str, torch.device)) else list(device)
+        self.dtype, self.device = dtype, torch.device(devices[0])
         self.max_positions = cfg.max_position_embeddings
         self.length = 0  # positions already cached; new tokens continue from here
         self._buffers: list[torch.Tensor] = [
-            torch.empty(batch_size, 0, self.width, dtype=dtype, device=device)
-            for _ in range(num_layers if num_layers is not None else cfg.num_hidden_layers)
+            torch.empty(batch_size, 0, self.width, dtype=dtype, device=d) for d in devices
         ]
 
     @property

@@ -95,7 +95,8 @@ class K2Model(HookedModule):
 
     def new_cache(self, batch_size: int = 1) -> LatentCache:
         """An empty latent KV cache for this model (576 values per token per layer for K2)."""
-        return LatentCache(self.config, batch_size, self.dtype, self.device, num_layers=len(self.layers))
+        devices = [layer.input_layernorm.weight.device for layer in self.layers]  # per block, for a device_map
+        return LatentCache(self.config, batch_size, self.dtype, devices, num_layers=len(self.layers))
 
     def forward(self, input_ids: torch.Tensor, cache: LatentCache | None = None,
                 attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
@@ -108,11 +109,14 @@ class K2Model(HookedModule):
         cos, sin = self.rotary_emb.cos_sin(positions)  # [T, R] each, shared by every layer
         x = self.embed_tokens.hook_out(self.embed_tokens(ids))  # [B, T, D]
         for layer in self.layers:
-            x = layer(x, self.rotary_emb, cos, sin, cache, attn_impl)
+            # With a device_map, blocks live on several devices: the residual (and the rotary table) follow them.
+            device = layer.input_layernorm.weight.device
+            x = layer(x.to(device), self.rotary_emb, cos.to(device), sin.to(device), cache, attn_impl)
         if cache is not None:
             cache.advance(T)
-        x = self.norm.hook_out(self.norm(x))
-        return self.hook_logits(self.lm_head(x).float())  # [B, T, V]
+        x = self.norm.hook_out(self.norm(x.to(self.norm.weight.device)))
+        logits = self.hook_logits(self.lm_head(x.to(self.lm_head.weight.device)).float())  # [B, T, V]
+        return logits.to(ids.device)  # where the input came from, as if the model were on one device
 
     def _check_input(self, input_ids: torch.Tensor, cache: LatentCache | None) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor):
