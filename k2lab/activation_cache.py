@@ -144,7 +144,8 @@ class ActivationCache(Mapping[str, torch.Tensor]):
         ``suffix`` is the part after ``layers.{i}.``, whole or by its last components: ``"hook_resid_post"``,
         ``"self_attn.hook_pattern"``, ``"hook_topk_idx"``. See ``layer_indices`` for which layers the rows are.
         """
-        return torch.stack([self[name] for _, name in self._layer_names(suffix)])
+        tensors = [self[name] for _, name in self._layer_names(suffix)]
+        return torch.stack([t.to(tensors[0].device) for t in tensors])  # blocks may sit on several devices
 
     def _layer_names(self, suffix: str) -> list[tuple[int, str]]:
         per_layer: dict[int, list[str]] = {}

@@ -159,6 +159,15 @@ class K2Config:
             fp8_block_size=None,
         )
 
+    @classmethod
+    def nano(cls) -> K2Config:
+        """K2-nano, the lab's bundled trained model: mini's switches at 6 blocks, 32 experts of 128 top-4, and
+        the nano tokenizer's 8,192 ids ([BOS] 7936, [EOS] 7937)."""
+        return cls.mini().replace(
+            num_hidden_layers=6, n_routed_experts=32, moe_intermediate_size=128, bos_token_id=7936,
+            eos_token_id=7937,
+        )
+
     def replace(self, **changes: Any) -> K2Config:
         """A copy with some fields changed, validated again: ``K2Config.kimi_k2().replace(num_hidden_layers=4)``."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

@@ -60,7 +60,7 @@ def ablate_experts(model: K2Model, experts: Mapping[int, int | Iterable[int]],
     fwd_hooks: list[tuple[str, HookFn]] = []
     for layer, ids in experts.items():
         layer, moe = _moe_block(model, layer)
-        ablated = torch.zeros(moe.experts.num_experts, dtype=torch.bool, device=model.device)  # [E]
+        ablated = torch.zeros(moe.experts.num_experts, dtype=torch.bool, device=moe.gate.weight.device)  # [E]
         ablated[_expert_ids(moe, [ids] if isinstance(ids, int) else ids, layer)] = True
         fwd_hooks += builders[mode](f"layers.{layer}.mlp", moe.gate, ablated)
     with model.hooks(fwd_hooks=fwd_hooks):

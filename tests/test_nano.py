@@ -1,0 +1,57 @@
+"""The bundled K2-nano: it loads offline, it is the K2 architecture, and it learned something."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import k2lab
+from k2lab.nano import NANO_DIR
+from k2lab.train import bits_per_byte, token_stream, unigram_bits_per_byte
+
+
+@pytest.fixture(scope="module")
+def nano():
+    return k2lab.load_nano()
+
+
+def test_load_nano_offline_and_fast():
+    code = (
+        "import time; t = time.perf_counter(); import k2lab; m, tok = k2lab.load_nano(); "
+        "print(time.perf_counter() - t, m.config.vocab_size, tok.vocab_size)"
+    )
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    seconds, vocab, tok_vocab = out.stdout.split()
+    assert int(vocab) == int(tok_vocab) == 8192
+    assert float(seconds) < 10  # import + load; the load alone is well under 2 s on an idle machine
+
+
+def test_nano_keeps_every_k2_switch(nano):
+    cfg = nano[0].config
+    assert cfg.first_k_dense_replace == 1 and cfg.q_lora_rank and cfg.rope_type == "yarn"
+    assert cfg.n_shared_experts == 1 and cfg.num_experts_per_tok >= 2 and cfg.n_routed_experts >= 16
+    biases = torch.stack([layer.mlp.gate.e_score_correction_bias for layer in nano[0].layers[1:]])
+    assert biases.abs().sum() > 0  # balancing moved the correction bias during training
+    assert sum(f.stat().st_size for f in NANO_DIR.iterdir()) < 30e6
+
+
+def test_heldout_code_beats_the_unigram_baseline(nano):
+    model, tok = nano
+    heldout = token_stream(tok, "heldout", "code")[: 48 * 256]
+    baseline = unigram_bits_per_byte(token_stream(tok, "train"), tok, heldout, seq_len=256)
+    bpb = bits_per_byte(model, tok, heldout, seq_len=256)
+    assert bpb < baseline - 0.5, (bpb, baseline)
+
+
+def test_training_log_is_complete():
+    log = json.loads((NANO_DIR / "training_log.json").read_text())
+    steps = log["steps"]
+    assert len(steps) == log["train"]["steps"]
+    assert steps[-1]["loss"] < steps[0]["loss"] - 3
+    assert len(steps[0]["max_logits"]) == log["model"]["num_hidden_layers"]
+    assert len(steps[0]["expert_load"][0]) == log["model"]["n_routed_experts"]
