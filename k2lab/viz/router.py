@@ -1,0 +1,85 @@
+"""The router, one token at a time and one prompt at a time: scores, bias, choice, weights, flips."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from .style import BIAS, CHOSEN, NOT_CHOSEN, ORANGE, SEQUENTIAL, array, finish, token_labels
+
+
+def router_token_figure(scores: torch.Tensor, bias: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                        logits: torch.Tensor | None = None, unbiased: torch.Tensor | None = None,
+                        title: str = "") -> go.Figure:
+    """One token's trip through K2's router, one panel per stage, experts on the x axis:
+
+    1. logits = x . W_gate (if given);
+    2. s = sigmoid(logits) as bars, and the choice score s + b as diamonds: top-k of the CHOICE picks the experts
+       (filled bars); hollow circles mark experts the token would have had without the bias (``unbiased``);
+    3. the weights of the chosen experts, w = s[idx] / sum s[idx] * routed_scaling_factor: the bias is not in them.
+
+    ``scores``, ``bias``, ``logits``: [E]; ``chosen``, ``weights``, ``unbiased``: [k]."""
+    E = len(scores)
+    experts = np.arange(E)
+    is_chosen = np.zeros(E, dtype=bool)
+    is_chosen[array(chosen).astype(int)] = True
+    colors = np.where(is_chosen, CHOSEN, NOT_CHOSEN)
+    rows = 3 if logits is not None else 2
+    names = (["router logits"] if logits is not None else []) + [
+        "sigmoid score s (bars) and choice score s + bias (◆)", "weights of the chosen experts"]
+    fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, subplot_titles=names, vertical_spacing=0.09)
+    row = 1
+    if logits is not None:
+        fig.add_trace(go.Bar(x=experts, y=array(logits), marker_color=colors, name="logit", showlegend=False,
+                             hovertemplate="expert %{x}<br>logit %{y:.3f}<extra></extra>"), row=row, col=1)
+        fig.update_yaxes(title_text="logit", row=row, col=1)
+        row += 1
+    s, b = array(scores), array(bias)
+    fig.add_trace(go.Bar(x=experts, y=s, marker_color=colors, name="score s (filled: chosen)",
+                         hovertemplate="expert %{x}<br>s %{y:.3f}<extra></extra>"), row=row, col=1)
+    fig.add_trace(go.Scatter(x=experts, y=s + b, mode="markers", marker=dict(symbol="diamond", color=BIAS, size=7),
+                             name="choice score s + bias", customdata=b,
+                             hovertemplate="expert %{x}<br>s + b %{y:.3f}<br>bias %{customdata:.3f}<extra></extra>"),
+                  row=row, col=1)
+    if unbiased is not None:
+        u = array(unbiased).astype(int)
+        fig.add_trace(go.Scatter(x=u, y=s[u], mode="markers", name="top-k without the bias",
+                                 marker=dict(symbol="circle-open", color=ORANGE, size=12, line=dict(width=2))),
+                      row=row, col=1)
+    fig.update_yaxes(title_text="score", row=row, col=1)
+    fig.add_trace(go.Bar(x=array(chosen).astype(int), y=array(weights), marker_color=CHOSEN, name="weight",
+                         showlegend=False, hovertemplate="expert %{x}<br>weight %{y:.3f}<extra></extra>"),
+                  row=row + 1, col=1)
+    fig.update_yaxes(title_text="weight", row=row + 1, col=1)
+    fig.update_xaxes(title_text="expert", row=row + 1, col=1)
+    fig.update_xaxes(range=[-0.7, E - 0.3])
+    return finish(fig, title or "One token through the router", height=240 + 190 * rows, legend_below=True)
+
+
+def routing_heatmap(indices: torch.Tensor, weights: torch.Tensor, num_experts: int, tokens: Sequence[str],
+                    title: str = "") -> go.Figure:
+    """Tokens (rows) against experts (columns) for one layer: the weight each chosen expert got, blank elsewhere.
+    ``indices``, ``weights``: [T, k]."""
+    idx = array(indices).astype(int)
+    dense = np.full((idx.shape[0], num_experts), np.nan)
+    np.put_along_axis(dense, idx, array(weights), axis=1)
+    labels = token_labels(tokens)
+    fig = go.Figure(go.Heatmap(z=dense, x=list(range(num_experts)), y=labels, colorscale=SEQUENTIAL, zmin=0,
+                               colorbar=dict(title="weight"), xgap=1, ygap=1,
+                               hovertemplate="token %{y}<br>expert %{x}<br>weight %{z:.3f}<extra></extra>"))
+    fig.update_yaxes(autorange="reversed", title_text="token", dtick=1)
+    fig.update_xaxes(title_text="expert")
+    return finish(fig, title or "Which experts each token chose", height=max(320, 120 + 18 * len(tokens)))
+
+
+def bias_flip_figure(flip_share: torch.Tensor, layers: Sequence[int], title: str = "") -> go.Figure:
+    """Per MoE layer, the share of tokens whose chosen SET the correction bias changed. ``flip_share``: [L_moe]."""
+    fig = go.Figure(go.Bar(x=[str(layer) for layer in layers], y=100 * array(flip_share), marker_color=BIAS,
+                           hovertemplate="layer %{x}<br>%{y:.1f}% of tokens<extra></extra>"))
+    fig.update_xaxes(title_text="layer", type="category")
+    fig.update_yaxes(title_text="tokens whose experts the bias changed (%)", rangemode="tozero")
+    return finish(fig, title or "Where the correction bias changes the choice", height=380, legend=False)

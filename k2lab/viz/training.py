@@ -1,0 +1,103 @@
+"""The nano training run from its log: loss, QK-Clip activity, router balance over time, and Muon's update on one
+matrix."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from .style import (
+    BLUE,
+    DIVERGING,
+    GREY,
+    LOG_AXIS,
+    ORANGE,
+    RATIO_TICKS,
+    RED,
+    SEQUENTIAL,
+    array,
+    finish,
+    log2_ratio,
+    reference_line,
+)
+
+
+def loss_figure(steps: Sequence[int], loss: Sequence[float], eval_steps: Sequence[int], eval_bpb: Sequence[float],
+                unigram_bpb: float | None = None, title: str = "") -> go.Figure:
+    """Left: the training loss per step (nats per token) with a trailing 25-step mean. Right: held-out bits per
+    byte at each evaluation, against the token-unigram baseline (dashed)."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["training loss", "held-out code"], horizontal_spacing=0.1)
+    raw, window = array(loss).astype(np.float64), 25
+    total = np.concatenate([[0.0], np.cumsum(raw)])
+    start = np.maximum(np.arange(1, len(raw) + 1) - window, 0)
+    smooth = (total[1:] - total[start]) / (np.arange(1, len(raw) + 1) - start)  # trailing mean of up to 25 steps
+    fig.add_trace(go.Scatter(x=list(steps), y=raw, name="loss per step", line=dict(color="#aec7e8", width=1)),
+                  row=1, col=1)
+    fig.add_trace(go.Scatter(x=list(steps), y=smooth, name=f"{window}-step mean", line=dict(color=BLUE)),
+                  row=1, col=1)
+    fig.add_trace(go.Scatter(x=list(eval_steps), y=array(eval_bpb), name="held-out bits/byte", mode="lines+markers",
+                             line=dict(color=ORANGE)), row=1, col=2)
+    if unigram_bpb is not None:
+        reference_line(fig, unigram_bpb, f"token unigram: {unigram_bpb:.2f}", row=1, col=2, position="bottom left")
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text="cross-entropy (nats/token)", row=1, col=1)
+    fig.update_yaxes(title_text="bits per byte", rangemode="tozero", row=1, col=2)
+    return finish(fig, title or "Training K2-nano", height=440, legend_below=True)
+
+
+def qk_clip_figure(steps: Sequence[int], max_logits: torch.Tensor, tau: float, title: str = "") -> go.Figure:
+    """Top: each head's largest pre-softmax logit per step (rows layer.head, ``max_logits`` [S, L, H]), the
+    colour scale's top at tau. Bottom: how many heads QK-Clip rescaled (max logit > tau) at each step."""
+    m = array(max_logits)
+    S, L, H = m.shape
+    rows = [f"L{layer}.h{h}" for layer in range(L) for h in range(H)]
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.75, 0.25], vertical_spacing=0.05)
+    fig.add_trace(go.Heatmap(z=m.reshape(S, L * H).T, x=list(steps), y=rows, colorscale=SEQUENTIAL, zmin=0, zmax=tau,
+                             colorbar=dict(title="max logit", len=0.7, y=0.62),
+                             hovertemplate="step %{x}, %{y}<br>max logit %{z:.1f}<extra></extra>"), row=1, col=1)
+    clipped = (m > tau).reshape(S, -1).sum(-1)
+    fig.add_trace(go.Scatter(x=list(steps), y=clipped, mode="lines", line=dict(color=RED), name="clipped heads"),
+                  row=2, col=1)
+    fig.update_yaxes(autorange="reversed", dtick=1 if L * H <= 48 else None, row=1, col=1)
+    fig.update_yaxes(title_text=f"heads > τ={tau:g}", rangemode="tozero", row=2, col=1)
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    return finish(fig, title or "QK-Clip: the largest attention logit of every head", height=560, legend=False)
+
+
+def expert_time_figure(steps: Sequence[int], values: torch.Tensor, colorbar_title: str, zmid: float | None = None,
+                       log2: bool = False, title: str = "") -> go.Figure:
+    """One MoE layer over training: experts (rows) against steps, e.g. the correction bias or the relative load.
+    ``values``: [S, E]. ``zmid`` centres a diverging scale; ``log2`` colours ratios so 0.5 and 2 look alike."""
+    v = array(values).T
+    if log2:
+        z, kwargs = log2_ratio(v), dict(colorscale=DIVERGING, zmid=0, zmin=-4, zmax=4,
+                                          colorbar=dict(title=colorbar_title, **RATIO_TICKS))
+    elif zmid is not None:
+        bound = float(np.abs(v - zmid).max()) or 1.0
+        z, kwargs = v, dict(colorscale=DIVERGING, zmid=zmid, zmin=zmid - bound, zmax=zmid + bound,
+                            colorbar=dict(title=colorbar_title))
+    else:
+        z, kwargs = v, dict(colorscale=SEQUENTIAL, colorbar=dict(title=colorbar_title))
+    if log2:  # the colour is log2 of the value: hover shows the value itself
+        kwargs.update(customdata=v, hovertemplate="step %{x}, expert %{y}<br>%{customdata:.3f}<extra></extra>")
+    else:
+        kwargs.update(hovertemplate="step %{x}, expert %{y}<br>%{z:.3f}<extra></extra>")
+    fig = go.Figure(go.Heatmap(z=z, x=list(steps), y=list(range(v.shape[0])), **kwargs))
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text="expert", autorange="reversed")
+    return finish(fig, title, height=420, legend=False)
+
+
+def singular_values_figure(series: Mapping[str, torch.Tensor], title: str = "") -> go.Figure:
+    """Singular values, largest first, of matrices that share a shape: a gradient, Muon's Newton-Schulz update,
+    the exact U V^T. Muon keeps the directions and sets the magnitudes near one."""
+    fig = go.Figure()
+    for (name, sv), color in zip(series.items(), (GREY, BLUE, ORANGE, RED), strict=False):
+        fig.add_trace(go.Scatter(y=array(sv), name=name, mode="lines+markers", line=dict(color=color)))
+    fig.update_xaxes(title_text="index (largest first)")
+    fig.update_yaxes(title_text="singular value", **LOG_AXIS)
+    return finish(fig, title or "Singular values of one update", height=400)

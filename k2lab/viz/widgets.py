@@ -1,0 +1,146 @@
+"""Explorers: ipywidgets controls wired to the pure figure functions. Each explorer keeps its latest figure and
+error as attributes, so a test (or a curious learner) can read the state without a browser:
+
+    ex = router_explorer(tr, tokens)
+    ex.controls["position"].value = 5     # the callback re-renders
+    ex.figure, ex.error                   # the figure now shown; the message of a failed render, else None
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+import torch
+
+from ..config import K2Config
+from ..rope import inverse_frequencies, yarn_ramp
+from ..routing import RoutingTrace
+from ..tokenizer import K2Tokenizer
+from .attention import pattern_figure
+from .rope import yarn_figure
+from .router import router_token_figure, routing_heatmap
+from .tokens import tokens_html
+
+Rendered = go.Figure | str  # a figure, or HTML
+
+
+class Explorer:
+    """Controls (name -> value widget) and an output area showing ``render(**values)``, redrawn on every change.
+
+    ipywidgets swallow exceptions raised in callbacks, so a failed render is caught, shown in the output area and
+    kept in ``error``; ``figure`` keeps the last good result."""
+
+    def __init__(self, controls: Mapping[str, widgets.ValueWidget], render: Callable[..., Rendered]):
+        self.controls = dict(controls)
+        self.render = render
+        self.output = widgets.Output()
+        self.figure: Rendered | None = None
+        self.error: str | None = None
+        for control in self.controls.values():
+            control.observe(lambda change: self.update(), names="value")
+        self.widget = widgets.VBox([widgets.HBox(list(self.controls.values())), self.output])
+        self.update()
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The controls' current values, as passed to ``render``."""
+        return {name: control.value for name, control in self.controls.items()}
+
+    def update(self) -> None:
+        """Render the current state into the output area (called by every control change)."""
+        try:
+            self.figure, self.error = self.render(**self.state), None
+            shown = self.figure
+        except Exception as err:  # shown to the learner: ipywidgets would swallow it
+            self.error = f"{type(err).__name__}: {err}"
+            shown = f'<pre style="color:#b00">{html.escape(self.error)}</pre>'
+        bundle = {"text/html": shown} if isinstance(shown, str) else shown._repr_mimebundle_()
+        bundle.setdefault("text/plain", "(figure)")
+        self.output.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+
+def token_explorer(tok: K2Tokenizer, text: str = "") -> Explorer:
+    """Type text, see its tokens coloured with their ids (special tokens starred) and the count."""
+    box = widgets.Textarea(value=text, description="text", layout=widgets.Layout(width="70%", height="90px"))
+    special = widgets.Checkbox(value=True, description="special tokens as control tokens")
+    ids = set(tok.special_tokens.values())
+
+    def render(text: str, allow_special: bool) -> str:
+        pieces = tok.pieces(text, allow_special=allow_special)
+        summary = f"<p>{len(text)} characters, {len(text.encode())} bytes → <b>{len(pieces)} tokens</b></p>"
+        return summary + tokens_html(pieces, special_ids=ids)
+
+    return Explorer({"text": box, "allow_special": special}, render)
+
+
+def yarn_explorer(cfg: K2Config) -> Explorer:
+    """Sliders for YaRN's factor s, beta_fast and beta_slow, redrawing the wavelengths and the ramp of ``cfg``."""
+    slider = dict(continuous_update=False, style={"description_width": "80px"})
+    factor = widgets.FloatLogSlider(value=cfg.rope_factor, base=2, min=0, max=7, step=0.25, description="factor s",
+                                    **slider)
+    fast = widgets.FloatLogSlider(value=cfg.beta_fast, base=2, min=-2, max=6, step=0.25, description="beta_fast",
+                                  **slider)
+    slow = widgets.FloatLogSlider(value=cfg.beta_slow, base=2, min=-3, max=4, step=0.25, description="beta_slow",
+                                  **slider)
+
+    def render(factor: float, beta_fast: float, beta_slow: float) -> go.Figure:
+        new = cfg.replace(rope_type="yarn", rope_factor=factor, beta_fast=beta_fast, beta_slow=beta_slow,
+                          max_position_embeddings=int(cfg.original_max_position_embeddings * factor))
+        return yarn_figure(inverse_frequencies(new.replace(rope_type=None)), inverse_frequencies(new), yarn_ramp(new),
+                           new.original_max_position_embeddings, new.max_position_embeddings,
+                           title=f"YaRN with s={factor:g}, beta_fast={beta_fast:g}, beta_slow={beta_slow:g}")
+
+    return Explorer({"factor": factor, "beta_fast": fast, "beta_slow": slow}, render)
+
+
+def router_explorer(tr: RoutingTrace, tokens: Sequence[str], logits: torch.Tensor | None = None,
+                    row: int = 0) -> Explorer:
+    """Pick a layer and a token: its router stages (``router_token_figure``). ``logits``: [L_moe, B, T, E] from the
+    ``gate.hook_logits`` probes (optional)."""
+    layer = widgets.Dropdown(options=tr.layers, value=tr.layers[0], description="layer")
+    position = widgets.IntSlider(value=len(tokens) - 1, min=0, max=len(tokens) - 1, description="token",
+                                 continuous_update=False)
+
+    def render(layer: int, position: int) -> go.Figure:
+        j = tr.row(layer)
+        return router_token_figure(
+            tr.scores[j, row, position], tr.choice_scores[j, row, position] - tr.scores[j, row, position],
+            tr.indices[j, row, position], tr.weights[j, row, position],
+            logits=None if logits is None else logits[j, row, position],
+            unbiased=tr.unbiased_indices[j, row, position],
+            title=f"layer {layer}, token {position} {tokens[position]!r}")
+
+    return Explorer({"layer": layer, "position": position}, render)
+
+
+def routing_explorer(tr: RoutingTrace, tokens: Sequence[str], row: int = 0) -> Explorer:
+    """Pick a layer: every token's chosen experts and weights (``routing_heatmap``)."""
+    layer = widgets.Dropdown(options=tr.layers, value=tr.layers[0], description="layer")
+    E = tr.scores.shape[-1]
+
+    def render(layer: int) -> go.Figure:
+        j = tr.row(layer)
+        return routing_heatmap(tr.indices[j, row], tr.weights[j, row], E, tokens, title=f"Routing at layer {layer}")
+
+    return Explorer({"layer": layer}, render)
+
+
+def attention_explorer(patterns: torch.Tensor, tokens: Sequence[str], layers: Sequence[int] | None = None
+                       ) -> Explorer:
+    """Pick a layer: all its heads' patterns. ``patterns``: [L, H, T, S] (one batch row of ``hook_pattern``)."""
+    names = list(layers) if layers is not None else list(range(patterns.shape[0]))
+    layer = widgets.Dropdown(options=names, value=names[0], description="layer")
+
+    def render(layer: int) -> go.Figure:
+        return pattern_figure(patterns[names.index(layer)], tokens, title=f"Attention patterns, layer {layer}")
+
+    return Explorer({"layer": layer}, render)

@@ -1,0 +1,195 @@
+# %% [markdown]
+# # 05 · Expert load and specialisation
+#
+# One token tells little about experts; thousands tell a lot. This notebook routes a few thousand tokens of
+# held-out text (Python code, and prose from Python's language reference, neither seen in training) and measures
+# what `k2lab.routing` offers. Notation: N tokens, E experts, k chosen per token, S_t the set token t chose,
+# c_e the number of tokens whose set holds expert e.
+#
+# | metric | formula | balanced / random value |
+# | --- | --- | --- |
+# | relative load | c_e / mean(c) | 1 |
+# | MaxVio | max_e c_e / mean(c) − 1 | 0 |
+# | domain specialisation (OLMoE) | share of a domain's tokens routed to e: c_e(D) / N(D) | k / E |
+# | vocabulary specialisation (OLMoE) | share of token id x's occurrences routed to e: N_e(x) / N(x) | |
+# | co-activation (OLMoE) | C(i → j) = N(i and j) / N(i) | (k − 1) / (E − 1) |
+# | consecutive overlap | share of neighbours t, t+1 with S_t ∩ S_t+1 ≠ ∅ | 1 − C(E−k, k) / C(E, k) |
+# | router entropy | −Σ p ln p, p = s / Σ s | at most ln E |
+
+# %% tags=["parameters"]
+from k2lab import lab
+
+lab.setup_notebook()
+settings = lab.LabSettings.from_env()
+model, tok, about = lab.load_model(settings)
+print(about)
+
+# %% [markdown]
+# ## The text
+#
+# Sixteen windows of 128 tokens from each domain, as two batches.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+import torch
+
+from k2lab import corpus, routing
+
+ROWS, LENGTH = 16, 128
+
+
+def windows(kind: str) -> torch.Tensor:
+    """ROWS x LENGTH tokens of held-out text of one kind, as a batch [B, T]."""
+    ids = tok.encode(corpus.corpus_text("heldout", kind), allow_special=False)
+    return torch.tensor(ids[: ROWS * LENGTH]).view(ROWS, LENGTH)
+
+
+batches = {"code": windows("code"), "prose": windows("prose")}
+traces, predicted = {}, {}
+for name, batch in batches.items():
+    logits, cache = model.run_with_cache(batch, names=".mlp.gate.")
+    traces[name] = routing.RoutingTrace.from_cache(cache)  # [L_moe, B, T, ...]
+    predicted[name] = logits.argmax(-1)  # [B, T] the model's guess for the next token
+layers = traces["code"].layers
+E, k = model.config.n_routed_experts, model.config.num_experts_per_tok
+print({name: list(batch.shape) for name, batch in batches.items()},
+      f"MoE layers {layers}, top-{k} of {E}")
+
+# %% [markdown]
+# ## Load
+#
+# K2 balances experts with its correction bias rather than an auxiliary loss. How even is the result? The
+# heatmap shows each expert's load against the uniform share (blue: under-used, red: over-used); the bars show
+# MaxVio, the busiest expert's excess.
+
+# %%
+counts = routing.expert_counts(traces["code"]) + routing.expert_counts(traces["prose"])  # [L_moe, E]
+max_vio = routing.max_violation(counts)  # [L_moe]
+for layer, vio, c in zip(layers, max_vio.tolist(), counts.tolist(), strict=True):
+    print(f"layer {layer}: MaxVio {vio:.2f}  (busiest expert {max(c)} tokens, idlest {min(c)}, "
+          f"mean {sum(c) / E:.0f})")
+
+# %% tags=["nbval-ignore-output"]
+from k2lab import viz
+
+viz.load_figure(routing.relative_load(counts), layers, title="Expert load on held-out code and prose")
+
+# %% [markdown]
+# ## Domain specialisation: code against prose
+#
+# OLMoE's measure: the share of a domain's tokens that go to each expert. If experts did not care about the
+# domain, the two bars of each expert would match. Experts are sorted from the most code-leaning to the most
+# prose-leaning.
+
+# %%
+last = layers[-1]
+share = {name: routing.domain_specialization(tr)[tr.row(last)]  # {domain: [E]}
+         for name, tr in traces.items()}
+lean = share["code"] - share["prose"]
+print(f"layer {last}: most code-leaning experts {lean.argsort(descending=True)[:3].tolist()}, "
+      f"most prose-leaning {lean.argsort()[:3].tolist()}")
+
+# %% tags=["nbval-ignore-output"]
+viz.specialization_figure(share, uniform=k / E,
+                          title=f"Layer {last}: share of each domain's tokens per expert")
+
+# %% [markdown]
+# ## Vocabulary specialisation
+#
+# Does an expert take particular *token ids*? For each id x seen at least 10 times and each expert e, OLMoE
+# measures N_e(x) / N(x), the share of x's occurrences whose first choice was e, and averages its maximum over the
+# ids. Using the *input* ids asks whether experts specialise in what they read; using the model's *predicted*
+# next ids asks whether they specialise in what comes next (OLMoE found the later layers lean towards the
+# output).
+
+# %% [markdown]
+# Even random routing gives a maximum share above 1/E to an id seen only ten or twenty times, so we add a
+# control: the same routing shuffled across positions, which keeps every expert's load but breaks any link to
+# the token.
+
+# %%
+import dataclasses
+
+tr = traces["code"]
+perm = torch.randperm(ROWS * LENGTH, generator=torch.Generator().manual_seed(0))
+shuffled = dataclasses.replace(tr, indices=tr.indices.flatten(1, 2)[:, perm].view_as(tr.indices))
+vocab_in = routing.vocabulary_specialization(tr, batches["code"])  # per (layer, id, expert)
+summary = {
+    "input ids": vocab_in.mean_max(),  # [L_moe]
+    "predicted ids": routing.vocabulary_specialization(tr, predicted["code"]).mean_max(),
+    "input ids, shuffled routing":
+        routing.vocabulary_specialization(shuffled, batches["code"]).mean_max(),
+}
+for name, values in summary.items():
+    print(f"{name:<28}", " ".join(f"{v:.2f}" for v in values.tolist()))
+
+# %% tags=["nbval-ignore-output"]
+viz.layer_bars_figure(summary, layers, "mean of max_e N_e(x) / N(x)",
+                      title="Vocabulary specialisation on code (first choice, ids seen ≥ 10 times)")
+
+# %% [markdown]
+# Which tokens does one expert take? Here is the expert that took the largest share of code tokens in the last
+# layer, with the ids it is most specialised in:
+
+# %%
+expert = int(share["code"].argmax())
+print(f"layer {last}, expert {expert}: token, share of its occurrences, occurrences")
+for token_id, ratio, n in vocab_in.top_tokens(last, expert, n=8):
+    print(f"  {tok.id_to_piece(token_id)!r:<14} {ratio:5.0%}  {n:>4}")
+
+# %% [markdown]
+# ## Co-activation
+#
+# Which experts are chosen together? C(i → j) is the share of the tokens that chose expert i which also chose j.
+# It is not symmetric: a busy expert j joins many of a rare expert i's tokens. Uniform random routing would give
+# (k − 1)/(E − 1) everywhere.
+
+# %%
+co = routing.coactivation(traces["code"])[traces["code"].row(last)]  # [E, E]
+i, j = divmod(int(co.argmax()), E)
+print(f"layer {last}: strongest pair {i} -> {j}: {co[i, j].item():.0%} of expert {i}'s tokens "
+      f"also chose {j} (random: {(k - 1) / (E - 1):.0%})")
+
+# %% tags=["nbval-ignore-output"]
+viz.coactivation_figure(co, title=f"Layer {last}: co-activation on code, C(i → j)")
+
+# %% [markdown]
+# ## Neighbouring tokens
+#
+# Do consecutive tokens share experts more than chance? If each token drew its k experts at random, two
+# neighbours would share at least one with probability 1 − C(E − k, k)/C(E, k): 43% for K2-nano's 4 of 32, 16%
+# for K2's 8 of 384.
+
+# %%
+baseline = routing.consecutive_baseline(E, k)
+rates = {name: routing.consecutive_same_expert_rate(tr)  # {domain: [L_moe]}
+         for name, tr in traces.items()}
+print(f"random baseline {baseline:.1%}")
+for name, rate in rates.items():
+    print(f"{name:<6}", " ".join(f"{r:.0%}" for r in rate.tolist()))
+
+# %% tags=["nbval-ignore-output"]
+viz.layer_bars_figure(rates, layers, "neighbours sharing an expert (%)", reference=baseline,
+                      reference_label="random routing", percent=True,
+                      title="Consecutive tokens that share at least one expert")
+
+# %% [markdown]
+# ## Router entropy
+#
+# How sharp are the router's preferences? Two views, each as a share of its maximum:
+#
+# * over the affinities, p = s / Σ s across all E experts (maximum ln E): how much the router singles out some
+#   experts *before* the bias and the top-k cut. Sigmoid affinities are each in (0, 1) and judged independently,
+#   so this stays close to its maximum: the selection happens in the cut, not in a peaked distribution;
+# * over the chosen experts' weights, p = w / Σ w (maximum ln k): how evenly a token spreads over the k experts it
+#   uses.
+
+# %% tags=["nbval-ignore-output"]
+import math
+
+entropies = {  # nats, [L_moe, B, T]
+    "affinities s (max ln E)": routing.router_entropy(traces["code"], over="scores"),
+    "chosen weights w (max ln k)": routing.router_entropy(traces["code"], over="weights"),
+}
+maxima = dict(zip(entropies, [math.log(E), math.log(k)], strict=True))
+viz.entropy_figure(entropies, maxima, layers, title="Router entropy per token on code")

@@ -1,0 +1,161 @@
+# %% [markdown]
+# # 08 · Scale: the real Kimi K2 by the numbers
+#
+# Everything in this notebook except the last section is computed from K2's configuration alone, with no weights:
+# `k2lab.accounting` lists every tensor of the released checkpoint (name, shape, storage format) and counts from
+# that one list. The numbers match the release's own figures exactly.
+
+# %%
+import torch
+
+import k2lab
+from k2lab import K2Config, lab, viz
+from k2lab.accounting import attention_parameters, block_parameters
+
+lab.setup_notebook()
+k2 = K2Config.kimi_k2()
+count = k2lab.count_parameters(k2)
+
+# %% [markdown]
+# ## Parameters
+#
+# A token uses the embedding, every attention, the dense first block, the shared experts, the router and 8 of the
+# 384 routed experts of each MoE block: 32.9 billion of the 1,026 billion. The correction biases (60 × 384) are
+# counted with the router, since the checkpoint stores them.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'component':<16}{'total':>20}{'active per token':>20}")
+for name, total, active in count.table():
+    print(f"{name:<16}{total:>20,}{active:>20,}")
+print(f"{'all':<16}{count.total:>20,}{count.active:>20,}")
+print(f"\nactive without the embedding and the head: {count.active_without_embeddings:,} "
+      f"({count.active / count.total:.1%} of all parameters are active)")
+print(f"one MLA: {attention_parameters(k2):,}; the dense block 0: {block_parameters(k2, 0):,}; "
+      f"one MoE block: {block_parameters(k2, 1):,}")
+
+# %% tags=["nbval-ignore-output"]
+viz.parameter_figure(count.table(),
+                     title="Kimi K2: parameters by component, total against active per token")
+
+# %% [markdown]
+# ## Bytes
+#
+# The release stores every large matrix in FP8 (e4m3, one byte per value, with a float32 scale per 128 × 128
+# block); the embedding, the head, the norms and the router stay in bfloat16, the correction bias in float32.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+GiB = 2**30
+print(f"FP8 release:          {k2lab.weight_bytes(k2) / GiB:8.1f} GiB (block scales: "
+      f"+{(k2lab.weight_bytes(k2, scales=True) - k2lab.weight_bytes(k2)) / GiB:.2f} GiB)")
+print(f"bfloat16 everywhere:  {k2lab.weight_bytes(k2, fp8=False) / GiB:8.1f} GiB")
+for tokens in (4_096, 32_768, 131_072):
+    print(f"KV cache, {tokens:>7,} tokens: {k2lab.kv_cache_bytes(k2, tokens) / GiB:5.2f} GiB latent, "
+          f"{k2lab.kv_cache_bytes(k2, tokens, layout='expanded') / GiB:7.1f} GiB expanded")
+
+# %% [markdown]
+# ## Can this machine run K2?
+#
+# `k2lab.plan` places whole blocks on devices, balanced by bytes, keeps headroom on each for activations and the
+# KV cache, and says whether it fits. On this machine's memory alone:
+
+# %% tags=["nbval-ignore-output"]
+print(k2lab.plan(k2, devices=[torch.device("cpu")]))
+
+# %% [markdown]
+# On a node of eight 141 GB GPUs (H200), with the FP8 weights resident:
+
+# %%
+print(k2lab.plan(k2, devices=[141 * 10**9] * 8))
+
+# %% [markdown]
+# Without such a node, two levers remain, both options of `k2lab.load`:
+#
+# * `expert_budget_bytes`: keep every weight but the routed experts resident and read each expert from its file
+#   when a token first needs it, through an LRU cache of that many bytes. The routed experts are 99% of K2's
+#   weights, but a token uses 8 of 384 per block;
+# * `num_layers`: load a prefix of the model (the first N blocks, then the final norm and head), a logit-lens
+#   view of the real thing.
+#
+# On a CPU the loader dequantizes FP8 to bfloat16 once, so the resident part is planned in bfloat16:
+
+# %% tags=["nbval-ignore-output"]
+from k2lab.loader import slice_layers
+
+budget = 4 * GiB
+print(k2lab.plan(k2, devices=[torch.device("cpu")], fp8=False, expert_budget_bytes=budget))
+print()
+print(k2lab.plan(slice_layers(k2, 4), devices=[torch.device("cpu")], fp8=False,
+                 expert_budget_bytes=budget))
+
+# %% [markdown]
+# ## A real-shape layer with streamed experts
+#
+# A true K2 MoE layer holds 17 GB of FP8 experts: writing one takes minutes and far more disk than a notebook
+# should use. So here we build an **honestly reduced slice**: one MoE block at K2's true shapes (width 7,168, MLA
+# at full size, experts of 2,048 hidden features, top-8 routing, the shared expert) but with **16 routed experts
+# instead of 384** and **K2-nano's 8,192-token vocabulary instead of 163,840**, filled with random FP8 weights in
+# the release layout. Every tensor that exists has its real size; there are just fewer of them. The full
+# true-size layer (384 experts, the true vocabulary, ~22 GB) is benchmarked by
+# `python -m benchmarks.real_shape_layer`.
+
+# %%
+import math
+import tempfile
+from pathlib import Path
+
+from k2lab.checkpoint_writer import write_checkpoint
+from k2lab.fp8 import FP8, FP8_MAX, scale_shape
+
+sliced = k2.replace(num_hidden_layers=1, first_k_dense_replace=0, n_routed_experts=16, vocab_size=8192,
+                    bos_token_id=None, eos_token_id=None)
+gen = torch.Generator().manual_seed(0)
+pool = (torch.randn(2**26, generator=gen) * FP8_MAX / 4.5).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def random_release(spec):
+    """A random tensor in the release's format: e4m3 slices of the pool, scaled to N(0, 1/fan_in)."""
+    if spec.fp8:
+        start = int(torch.randint(0, pool.numel() - spec.numel, (), generator=gen))
+        blocks = scale_shape(spec.shape, sliced.fp8_block_size)
+        scale = torch.full(blocks, 4.5 / FP8_MAX / math.sqrt(spec.shape[1]))  # float32 scale_inv
+        return pool[start:start + spec.numel].view(spec.shape), scale
+    if spec.component == "norms" or spec.name.endswith("layernorm.weight"):
+        return torch.ones(spec.shape)
+    wide = 3 if spec.component == "router" else 1  # a router spread wide enough to avoid near-ties
+    return torch.randn(spec.shape, generator=gen) * wide / math.sqrt(spec.shape[-1])
+
+
+folder = Path(tempfile.mkdtemp(prefix="k2lab-slice-"))
+write_checkpoint(folder, sliced, random_release)
+on_disk = sum(f.stat().st_size for f in folder.iterdir())
+print(f"{on_disk / 1e9:.2f} GB written: {[f.name for f in sorted(folder.iterdir())]}")
+
+# %% [markdown]
+# Load it with a budget of 10 of the 16 experts (in float32, the CPU's fast dtype): attention, router, shared expert,
+# embedding and head become resident; the 16 routed experts stay in the file. Then prefill a prompt and decode a
+# few tokens, and read the cache's counters.
+
+# %%
+expert_bytes = 3 * sliced.moe_intermediate_size * sliced.hidden_size * 4  # gate, up, down in float32
+layer = k2lab.load(folder, dtype=torch.float32, expert_budget_bytes=10 * expert_bytes)
+resident = sum(t.nbytes for t in [*layer.parameters(), *layer.buffers()])
+print(f"resident {resident / GiB:.2f} GiB; expert budget {10 * expert_bytes / GiB:.2f} GiB "
+      f"({expert_bytes / 2**20:.0f} MiB per expert)")
+ids = torch.randint(0, sliced.vocab_size, (1, 8), generator=gen)  # [B=1, T=8] random ids
+stats = layer.expert_cache.stats
+out = k2lab.generate(layer, ids, max_new_tokens=3)
+print(f"prefill 8 tokens + decode 3: {stats}")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print("peak cached bytes within the budget:", stats.peak_bytes <= stats.budget_bytes)
+per_matrix = sliced.moe_intermediate_size * sliced.hidden_size + 16 * 56 * 4  # e4m3 values + scales
+print("every miss read one expert (3 matrices + scales):",
+      stats.bytes_read == stats.misses * 3 * per_matrix)
+
+# %%
+import shutil
+
+shutil.rmtree(folder)  # 1 GB of random weights: not worth keeping
