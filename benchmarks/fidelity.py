@@ -1,5 +1,5 @@
 """Worst relative logit error of k2lab against HF transformers' DeepseekV3 (float32, eager), both attention
-paths and the latent-cache decode, over the tests' kinds of config (tests/test_fidelity.py asserts < 1e-4).
+paths and the latent-cache decode, over the eight configs of tests/test_fidelity.py (tests/test_fidelity.py asserts < 1e-4).
 
     python -m benchmarks.fidelity
 """
@@ -16,17 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hf_oracle import hf_model, relative_error, save_and_load  # noqa: E402
-
-from k2lab import K2Config  # noqa: E402
-
-BASE = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
-CONFIGS = {
-    "K2 switches": BASE,
-    "grouped routing": BASE.replace(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4),
-    "no q latent": BASE.replace(q_lora_rank=None),
-    "3 dense layers": BASE.replace(num_hidden_layers=5, first_k_dense_replace=3),
-    "YaRN x40, beta_fast 32": BASE.replace(rope_factor=40.0, beta_fast=32.0, rope_theta=10_000.0),
-}
+from test_fidelity import CONFIGS  # noqa: E402  (the tests' configs, one source of truth)
 
 
 @torch.no_grad()
