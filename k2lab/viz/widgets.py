@@ -71,7 +71,8 @@ class Explorer:
 def token_explorer(tok: K2Tokenizer, text: str = "") -> Explorer:
     """Type text, see its tokens coloured with their ids (special tokens starred) and the count."""
     box = widgets.Textarea(value=text, description="text", layout=widgets.Layout(width="70%", height="90px"))
-    special = widgets.Checkbox(value=True, description="special tokens as control tokens")
+    special = widgets.Checkbox(value=True, description="special tokens as control tokens", indent=False,
+                               layout=widgets.Layout(width="auto"))  # the full label, not cut at 80 px
     ids = set(tok.special_tokens.values())
 
     def render(text: str, allow_special: bool) -> str:
