@@ -202,3 +202,16 @@ def test_token_explorer_counts_tokens():
     assert "7938*" in ex.figure  # the special id, starred
     ex.controls["allow_special"].value = False
     assert "7938" not in ex.figure
+
+
+def test_cache_logit_lens_figure_matches_the_hand_built_one():
+    model = K2Model(K2Config.mini().replace(vocab_size=64, num_hidden_layers=2))
+    ids = torch.arange(20)[None]
+    _, cache = model.run_with_cache(ids)
+    tokens = [str(i) for i in range(20)]
+    fig = viz.cache_logit_lens_figure(cache, str, tokens)
+    p_top, i_top = cache.logit_lens(pos=slice(-16, None))[:, 0].softmax(-1).max(-1)
+    heat = fig.data[0]
+    assert len(heat.y) == 2 and len(heat.x) == 16
+    np.testing.assert_allclose(np.asarray(heat.z), p_top.numpy(), rtol=1e-6)
+    assert [list(r) for r in heat.text][0][0].strip() == str(i_top[0, 0].item())

@@ -19,7 +19,7 @@ from .experts import (
     specialization_figure,
 )
 from .lines import lines_figure
-from .logits import attribution_figure, effect_heatmap, logit_lens_figure
+from .logits import attribution_figure, cache_logit_lens_figure, effect_heatmap, logit_lens_figure
 from .rope import yarn_figure
 from .router import bias_flip_figure, router_token_figure, routing_heatmap
 from .scale import parameter_figure
@@ -27,8 +27,8 @@ from .tokens import spans_html, tokens_html
 from .training import expert_time_figure, loss_figure, qk_clip_figure, singular_values_figure
 
 __all__ = [
-    "attribution_figure", "bias_flip_figure", "coactivation_figure", "effect_heatmap", "entropy_figure",
-    "expert_time_figure", "layer_bars_figure", "lines_figure", "load_figure", "logit_lens_figure",
+    "attribution_figure", "bias_flip_figure", "cache_logit_lens_figure", "coactivation_figure", "effect_heatmap",
+    "entropy_figure", "expert_time_figure", "layer_bars_figure", "lines_figure", "load_figure", "logit_lens_figure",
     "loss_figure", "parameter_figure", "pattern_figure", "qk_clip_figure", "router_token_figure", "routing_heatmap",
     "score_split_figure", "singular_values_figure", "spans_html", "specialization_figure", "tokens_html", "widgets",
     "yarn_figure",

@@ -3,7 +3,7 @@ intervention's effect over layers and positions."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import plotly.graph_objects as go
@@ -28,6 +28,17 @@ def logit_lens_figure(probs: torch.Tensor, top_tokens: Sequence[Sequence[str]], 
     fig.update_yaxes(autorange="reversed")
     return finish(fig, title or "Logit lens: each layer's guess for the next token",
                   height=150 + 42 * len(row_labels), legend=False)
+
+
+def cache_logit_lens_figure(cache, piece: Callable[[int], str], tokens: Sequence[str],
+                            shown: slice = slice(-16, None), title: str = "") -> go.Figure:
+    """``logit_lens_figure`` straight from an ActivationCache of one prompt: every layer's top next-token guess
+    at the ``shown`` positions (the last 16 by default, to fit the page). ``piece(id)`` names a token id."""
+    probs = cache.logit_lens(pos=shown)[:, 0].softmax(-1)  # [L, T_shown, V]
+    p_top, i_top = probs.max(-1)  # [L, T_shown]
+    rows = [f"layer {layer}" for layer in range(p_top.shape[0])]
+    return logit_lens_figure(p_top, [[piece(i) for i in row] for row in i_top.tolist()], rows, tokens[shown],
+                             start=range(len(tokens))[shown].start, title=title)
 
 
 def attribution_figure(labels: Sequence[str], values: torch.Tensor, x_title: str = "contribution to the logit",

@@ -143,12 +143,7 @@ for p, i in zip(top.values.tolist(), top.indices.tolist(), strict=True):
 # Each cell is a layer's top guess for the token after that position.
 
 # %% tags=["nbval-ignore-output"]
-shown = slice(-16, None)  # the last 16 positions fit the page
-lens = cache.logit_lens(pos=shown)[:, 0].softmax(-1)  # [L, 16, V]
-p_top, i_top = lens.max(-1)  # [L, 16]
-viz.logit_lens_figure(p_top, [[tok.id_to_piece(i) for i in row] for row in i_top.tolist()],
-                      [f"layer {i}" for i in range(len(model.layers))], tokens[shown],
-                      start=range(len(tokens))[shown].start)
+viz.cache_logit_lens_figure(cache, tok.id_to_piece, tokens)  # the last 16 positions; 06_logits builds it by hand
 
 # %% [markdown]
 # ## 7. Generating through the latent cache
