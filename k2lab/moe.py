@@ -101,22 +101,28 @@ class RoutedExperts(nn.Module):
         """(gate [I, D], up [I, D], down [D, I]) of one expert; the seam where streamed or FP8 experts plug in."""
         return self.gate_proj[expert], self.up_proj[expert], self.down_proj[expert]
 
+    def expert(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        """One expert's SwiGLU on the tokens routed to it: h [n, D] -> [n, D]."""
+        gate, up, down = self.expert_weights(expert)
+        return F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [N, D], idx [N, k] -> each slot's expert output [N, k, D]."""
         N, k = idx.shape
+        if N == 1:  # one token (decode): its k experts in slot order, with nothing to sort
+            return torch.stack([self.expert(e, x) for e in idx[0].tolist()], dim=1)  # [1, k, D]
         flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
         order = flat.argsort(stable=True)  # slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
         hit = counts.nonzero().flatten()
         tokens = order // k  # token of each sorted slot
-        outputs, start = [], 0
+        out = x.new_empty(N * k, x.shape[-1])  # [N*k, D] in slot layout, filled one expert group at a time
+        start = 0
         for expert, count in zip(hit.tolist(), counts[hit].tolist(), strict=True):
-            gate, up, down = self.expert_weights(expert)
-            h = x[tokens[start : start + count]]  # [n, D]
-            outputs.append(F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down))  # [n, D]
+            group = slice(start, start + count)
+            out[order[group]] = self.expert(expert, x[tokens[group]])  # [n, D] to the group's slots
             start += count
-        sorted_out = torch.cat(outputs)  # [N*k, D] in expert order
-        return sorted_out[order.argsort()].view(N, k, -1)  # back to slot layout [N, k, D]
+        return out.view(N, k, -1)
 
 
 class MoE(nn.Module):
