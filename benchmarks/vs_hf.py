@@ -9,21 +9,27 @@ and against the machine's own limits measured in the same run.
   the cached latents for the whole context every step; k2lab's absorbed path attends over them directly.
 - roofline: a decode step must read the active weights (attention, dense/shared/router, k experts per MoE
   layer, the head) and the cache; divided by the measured copy bandwidth that is the fastest possible step.
+- GEMV ceiling: the same matrices read by bare matrix-vector products, one call each and no model logic around
+  them, timed in the same run: the fastest an eager implementation of the step can be on this CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import tempfile
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 import k2lab
 from k2lab import K2Config
 from k2lab.accounting import checkpoint_tensors
 
 from .timing import alternate, copy_bandwidth, matmul_rate
+
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
 BENCH = K2Config.mini().replace(
     vocab_size=8192,
@@ -72,6 +78,24 @@ def decode_bytes(cfg: K2Config, context: int, dtype_bytes: int = 4) -> int:
         else:
             total += spec.numel
     return total * dtype_bytes + k2lab.kv_cache_bytes(cfg, context, dtype=torch.float32)
+
+
+def decode_matrices(cfg: K2Config, context: int) -> list[tuple[int, int]]:
+    """(rows, cols) of every matrix a decode step reads: the active weight matrices (the first k experts of
+    each MoE layer stand in for the chosen ones; the embedding is a row lookup) and each layer's cache
+    [context, C + R]."""
+    shapes = [spec.shape for spec in checkpoint_tensors(cfg)
+              if len(spec.shape) == 2 and spec.component != "embedding"
+              and int((_EXPERT_INDEX.search(spec.name) or [0, 0])[1]) < cfg.num_experts_per_tok]
+    return shapes + [(context, cfg.kv_lora_rank + cfg.qk_rope_head_dim)] * cfg.num_hidden_layers
+
+
+def bare_gemv_seconds(shapes: list[tuple[int, int]], rounds: int) -> float:
+    """Median seconds to multiply one vector by each of fresh matrices of these shapes, one call per matrix."""
+    gen = torch.Generator().manual_seed(0)
+    matrices = [torch.randn(shape, generator=gen) for shape in shapes]
+    vectors = {cols: torch.randn(1, cols, generator=gen) for _, cols in shapes}
+    return alternate({"gemv": lambda: [F.linear(vectors[w.shape[1]], w) for w in matrices]}, rounds=rounds)["gemv"]
 
 
 def prefill_flops(cfg: K2Config, tokens: int) -> float:
@@ -131,10 +155,15 @@ def main() -> None:
             f"decode at {context} context (median ms/token): HF {t['hf'] * 1e3:.2f}  k2lab naive "
             f"{t['naive'] * 1e3:.2f}  absorbed {t['absorbed'] * 1e3:.2f}"
         )
+        gemv = bare_gemv_seconds(decode_matrices(cfg, context), rounds=max(args.rounds, 9))
         print(
             f"  speed vs HF: naive {t['hf'] / t['naive']:.2f}x, absorbed {t['hf'] / t['absorbed']:.2f}x; "
             f"absorbed at {floor / t['absorbed']:.0%} of the bandwidth roofline "
             f"({decode_bytes(cfg, context) / 1e6:.1f} MB per step, floor {floor * 1e3:.2f} ms)"
+        )
+        print(
+            f"  bare GEMVs over the same matrices: {gemv * 1e3:.2f} ms = {floor / gemv:.0%} of the roofline; "
+            f"k2lab absorbed at {gemv / t['absorbed']:.0%} of this eager ceiling"
         )
 
 
