@@ -3,14 +3,18 @@
 Code is the library's own `.py` sources (code, comments and docstrings); prose is the language
 reference topics that `pydoc` ships in `pydoc_data.topics`. Both are on every Python install, need no
 download, and are under the PSF licence. Test suites, IDLE, lib2to3, installed packages and generated
-files (codec tables, token lists) are left out.
+files (codec tables, token lists) are left out of the library; the standard library's own test suite
+(``Lib/test``, 17 MB on CPython 3.11, absent from some distributions' system Pythons) is a separate source that
+``test_suite=True`` adds to the code, for training runs that need more than the library's 2 M tokens.
 
 A fixed held-out split, chosen by name, is never trained on: the modules in HELDOUT_MODULES (with
-their submodules) and the topics in HELDOUT_TOPICS. Documents come in a fixed order (code by module
+their submodules), the topics in HELDOUT_TOPICS, and the test-suite modules of the held-out modules
+(``test.test_json.*``: they quote the held-out code's behaviour). Documents come in a fixed order (code by module
 name, then prose by topic name), so the same Python gives the same corpus.
 
     for doc in documents("train", kind="code"): ...
     text = corpus_text("heldout", kind="prose")
+    for doc in documents("train", kind="code", test_suite=True): ...   # the library plus its test suite
 """
 
 from __future__ import annotations
@@ -107,15 +111,17 @@ def is_heldout(name: str) -> bool:
     """Whether a document name belongs to the held-out split."""
     if name.startswith("topics/"):
         return name.removeprefix("topics/") in HELDOUT_TOPICS
+    if name.startswith("test."):  # test.test_json.test_decode tests json
+        return any(f"test_{m}" in name.split(".") for m in HELDOUT_MODULES)
     return any(name == m or name.startswith(m + ".") for m in HELDOUT_MODULES)
 
 
-@functools.cache
-def _code_documents() -> tuple[Document, ...]:
+def _read_code(top: Path, skipped_dirs: set[str]) -> tuple[Document, ...]:
+    """The hand-written, UTF-8 `.py` files under `top`, named as modules relative to the stdlib root."""
     root = stdlib_dir()
     found = []
-    for folder, subfolders, files in os.walk(root):
-        subfolders[:] = [d for d in subfolders if d not in _SKIPPED_DIRS and not d.startswith("config-")]
+    for folder, subfolders, files in os.walk(top):
+        subfolders[:] = [d for d in subfolders if d not in skipped_dirs and not d.startswith("config-")]
         for file in files:
             if not file.endswith(".py"):
                 continue
@@ -133,23 +139,40 @@ def _code_documents() -> tuple[Document, ...]:
 
 
 @functools.cache
+def _code_documents() -> tuple[Document, ...]:
+    return _read_code(stdlib_dir(), _SKIPPED_DIRS)
+
+
+@functools.cache
+def _test_suite_documents() -> tuple[Document, ...]:
+    """CPython's own test suite (Lib/test), or nothing where a distribution strips it."""
+    return _read_code(stdlib_dir() / "test", {"__pycache__"})
+
+
+@functools.cache
 def _prose_documents() -> tuple[Document, ...]:
     from pydoc_data.topics import topics
 
     return tuple(Document(f"topics/{topic}", "prose", topics[topic]) for topic in sorted(topics))
 
 
-def documents(split: Split | None = "train", kind: Kind | None = None) -> Iterator[Document]:
-    """The corpus documents of one split ("train", "heldout", or None for both) and kind (None for both)."""
+def documents(split: Split | None = "train", kind: Kind | None = None, test_suite: bool = False
+              ) -> Iterator[Document]:
+    """The corpus documents of one split ("train", "heldout", or None for both) and kind (None for both);
+    ``test_suite`` adds the standard library's test suite after the library's code."""
     if split not in ("train", "heldout", None) or kind not in ("code", "prose", None):
         raise ValueError(
             f"split must be 'train', 'heldout' or None and kind 'code', 'prose' or None; got {split!r}, {kind!r}"
         )
     kinds = ("code", "prose") if kind is None else (kind,)
-    sources = {"code": _code_documents, "prose": _prose_documents}  # each read once per process, then cached
-    return (doc for k in kinds for doc in sources[k]() if split is None or is_heldout(doc.name) == (split == "heldout"))
+    sources = {"code": [_code_documents], "prose": [_prose_documents]}  # each read once per process, then cached
+    if test_suite:
+        sources["code"].append(_test_suite_documents)
+    return (doc for k in kinds for source in sources[k] for doc in source()
+            if split is None or is_heldout(doc.name) == (split == "heldout"))
 
 
-def corpus_text(split: Split | None = "train", kind: Kind | None = None, separator: str = "\n\n") -> str:
+def corpus_text(split: Split | None = "train", kind: Kind | None = None, separator: str = "\n\n",
+                test_suite: bool = False) -> str:
     """All the documents of a split and kind as one string, joined by `separator`."""
-    return separator.join(doc.text for doc in documents(split, kind))
+    return separator.join(doc.text for doc in documents(split, kind, test_suite))

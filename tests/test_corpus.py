@@ -1,12 +1,12 @@
-"""The offline corpus: fixed held-out split, deterministic order, no test suites or generated files."""
+"""The offline corpus: fixed held-out split, deterministic order, no generated files, the test suite opt-in."""
 
 import pytest
 
 from k2lab import corpus
 
 
-def names(split, kind=None):
-    return [doc.name for doc in corpus.documents(split, kind)]
+def names(split, kind=None, test_suite=False):
+    return [doc.name for doc in corpus.documents(split, kind, test_suite)]
 
 
 def test_train_and_heldout_are_disjoint_and_cover_everything():
@@ -59,3 +59,19 @@ def test_rejects_unknown_split_or_kind():
         corpus.documents("validation")
     with pytest.raises(ValueError, match="kind"):
         corpus.documents("train", "docs")
+
+
+def test_test_suite_is_opt_in_and_holds_out_the_heldout_modules_tests():
+    if not (corpus.stdlib_dir() / "test" / "test_json").is_dir():
+        pytest.skip("this Python ships without its test suite (Lib/test)")
+    library = names("train", "code")
+    with_tests = names("train", "code", test_suite=True)
+    assert with_tests[: len(library)] == library  # the library first, unchanged
+    added = with_tests[len(library) :]
+    assert added and all(name.split(".")[0] == "test" for name in added)
+    assert "test.test_zipfile" in added
+    heldout_tests = set(names("heldout", "code", test_suite=True)) - set(names("heldout", "code"))
+    assert {"test.test_json.test_decode", "test.test_textwrap", "test.test_csv"} <= heldout_tests
+    assert not any(set(name.split(".")) & {f"test_{m}" for m in corpus.HELDOUT_MODULES} for name in added)
+    assert "test.test_string_literals" in added  # only an exact test_<module> name is held out
+    assert len(corpus.corpus_text("train", "code", test_suite=True)) > 2 * len(corpus.corpus_text("train", "code"))
