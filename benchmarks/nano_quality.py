@@ -6,10 +6,13 @@ prompts, and routing specialisation (load balance, code against prose).
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 import k2lab
 from k2lab import corpus, routing
+from k2lab.nano import NANO_DIR
 from k2lab.train import bits_per_byte, token_stream, unigram_bits_per_byte
 
 PROMPTS = ["def __init__(self", "import ", "for i in range(", "class Parser:\n    def "]
@@ -20,7 +23,8 @@ def main() -> None:
     torch.set_num_threads(1)
     model, tok = k2lab.load_nano()
     seq_len = 256
-    train = token_stream(tok, "train")
+    test_suite = json.loads((NANO_DIR / "training_log.json").read_text())["train"].get("test_suite", False)
+    train = token_stream(tok, "train", test_suite=test_suite)  # what the bundled run trained on
     for kind in ("code", "prose"):
         heldout = token_stream(tok, "heldout", kind)
         print(f"held-out {kind}: {bits_per_byte(model, tok, heldout, seq_len):.3f} bits/byte "
@@ -52,7 +56,8 @@ def main() -> None:
         e = int(gap[j].argmax())
         print(f"  L{layer}: expert {e} takes {code[j, e]:.2f} of code tokens vs {prose[j, e]:.2f} of prose; "
               f"TV {0.5 * gap[j].sum() / model.config.num_experts_per_tok:.2f}")
-    print(f"corpus: {sum(1 for _ in corpus.documents('train'))} training documents")
+    print(f"training split: {sum(1 for _ in corpus.documents('train', test_suite=test_suite))} documents, "
+          f"{len(train):,} tokens (test suite included: {test_suite})")
 
 
 if __name__ == "__main__":

@@ -49,11 +49,13 @@ viz.loss_figure(steps, [s["loss"] for s in log["steps"]], [e["step"] for e in lo
                 [e["heldout_code_bpb"] for e in log["evals"]], log["unigram_heldout_code_bpb"])
 
 # %% [markdown]
-# The learning rate warmed up, stayed flat, then decayed linearly to zero over the last part of the run (WSD):
+# The learning rate warmed up, stayed flat, then decayed linearly to zero over the last part of the run (WSD).
+# The balancing step u (below) decays with it:
 
 # %% tags=["nbval-ignore-output"]
-viz.lines_figure(steps, {"learning rate": {"lr": [s["lr"] for s in log["steps"]]}}, "step",
-                 title="Warmup-stable-decay schedule", height=300)
+viz.lines_figure(steps, {"learning rate": {"lr": [s["lr"] for s in log["steps"]]},
+                         "bias step u": {"u": [s["bias_step"] for s in log["steps"]]}}, "step",
+                 title="Warmup-stable-decay schedule", height=320)
 
 # %% [markdown]
 # ## QK-Clip
@@ -116,19 +118,22 @@ print("its largest logits after the clip equal tau:", torch.allclose(after[last]
 # %% [markdown]
 # ## Balancing the experts without a loss
 #
-# After every step, each MoE layer's bias moves by u = `bias_step` towards balance:
+# After every step, each MoE layer's bias moves by u towards balance:
 #
 # $$b_e \leftarrow b_e + u \cdot \operatorname{sign}(\bar c - c_e),$$
 #
-# up for experts that got fewer tokens than the mean, down for busier ones. The log keeps every step's counts
-# c_e, so the whole history of the bias can be replayed from it, and it must end at the bias in the checkpoint:
+# up for experts that got fewer tokens than the mean, down for busier ones. u stays at `bias_step` and then
+# decays to zero with the learning rate, so routing settles while the weights anneal (DeepSeek-V3 also stops
+# its bias updates for the end of training). The log keeps every step's u and counts c_e, so the whole history
+# of the bias can be replayed from it, and it must end at the bias in the checkpoint:
 
 # %%
 # NBVAL_CHECK_OUTPUT
 from k2lab import routing
 
 counts = torch.tensor([s["expert_load"] for s in log["steps"]], dtype=torch.float32)  # [S, L_moe, E]
-steps_taken = run["bias_step"] * torch.sign(counts.mean(-1, keepdim=True) - counts)  # [S, L_moe, E]
+u = torch.tensor([s["bias_step"] for s in log["steps"]])[:, None, None]  # [S, 1, 1]
+steps_taken = u * torch.sign(counts.mean(-1, keepdim=True) - counts)  # [S, L_moe, E]
 bias = steps_taken.cumsum(0)  # [S, L_moe, E]: the bias after each step
 layers = routing.moe_layers(model)  # indices of the MoE blocks
 final = torch.stack([model.layers[i].mlp.gate.e_score_correction_bias for i in layers])  # [L_moe, E]
