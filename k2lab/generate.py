@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .attention import AttnImpl
 from .model import K2Model
+
+if TYPE_CHECKING:
+    from .tokenizer import K2Tokenizer
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -27,15 +32,34 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def healing_mask(tokenizer: K2Tokenizer, last_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """Token healing's constraint [B, V] bool: the tokens that may stand in for each row's last prompt token,
+    those whose bytes start with its bytes (specials excluded; the token itself always allowed)."""
+    pieces = [tokenizer.token_bytes(i) for i in range(min(tokenizer.vocab_size, vocab_size))]
+    specials = set(tokenizer.special_tokens.values())
+    mask = torch.zeros(len(last_ids), vocab_size, dtype=torch.bool)
+    for row, last in enumerate(last_ids):
+        prefix = tokenizer.token_bytes(last)
+        mask[row, [i for i, piece in enumerate(pieces) if piece.startswith(prefix) and i not in specials]] = True
+        mask[row, last] = True
+    return mask
+
+
 @torch.no_grad()
 def generate(model: K2Model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             eos_token_id: int | None = None, attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
+             eos_token_id: int | None = None, attn_impl: AttnImpl = "absorbed",
+             tokenizer: K2Tokenizer | None = None, token_healing: bool = False) -> torch.Tensor:
     """Continue ``input_ids`` [B, T] by up to ``max_new_tokens`` tokens -> [B, T + n], n <= max_new_tokens.
 
     Greedy when ``temperature`` is 0; otherwise samples from softmax(logits / temperature) restricted by
     ``top_k`` and ``top_p``, reproducibly for a given ``seed``. A row stops at the eos id (the config's unless
     given) and is padded with it while other rows go on; generation ends when every row has stopped.
+
+    ``token_healing`` (with the ``tokenizer``, as in HF transformers) repairs a prompt that ends mid-token, such
+    as ``"import "``, whose trailing space the tokenizer would have merged into the next word (" os"): the
+    last prompt token is dropped and the first new token is chosen among those whose bytes start with its
+    bytes. The result is then [B, T - 1 + n], and its text still starts with the prompt's.
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -47,6 +71,14 @@ def generate(model: K2Model, input_ids: torch.Tensor, max_new_tokens: int, tempe
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
     ids = torch.as_tensor(input_ids, device=model.device)
     ids = ids[None] if ids.dim() == 1 else ids
+    allowed = None  # [B, V]: the first step's constraint under token healing
+    if token_healing:
+        if tokenizer is None:
+            raise ValueError("token_healing needs the tokenizer: generate(..., tokenizer=tok, token_healing=True)")
+        if ids.shape[1] < 2:
+            raise ValueError(f"token healing drops the prompt's last token, so it needs at least 2; got {ids.shape[1]}")
+        allowed = healing_mask(tokenizer, ids[:, -1].tolist(), model.config.vocab_size).to(ids.device)
+        ids = ids[:, :-1]
     eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
     generator = None
     if seed is not None:
@@ -57,6 +89,8 @@ def generate(model: K2Model, input_ids: torch.Tensor, max_new_tokens: int, tempe
     out, step_input = [ids], ids
     for _ in range(max_new_tokens):
         logits = model(step_input, cache=cache, attn_impl=attn_impl)[:, -1]  # [B, V]
+        if allowed is not None:
+            logits, allowed = logits.masked_fill(~allowed, float("-inf")), None
         token = sample_next(logits, temperature, top_k, top_p, generator)  # [B]
         if eos is not None:
             token = token.masked_fill(done, eos)

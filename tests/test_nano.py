@@ -55,3 +55,28 @@ def test_training_log_is_complete():
     assert steps[-1]["loss"] < steps[0]["loss"] - 3
     assert len(steps[0]["max_logits"]) == log["model"]["num_hidden_layers"]
     assert len(steps[0]["expert_load"][0]) == log["model"]["n_routed_experts"]
+
+
+def test_token_healing_repairs_a_prompt_that_ends_mid_token(nano):
+    model, tok = nano
+    ids = torch.tensor([tok.encode("import ")])
+    assert tok.token_bytes(ids[0, -1].item()) == b" "  # a space the tokenizer would have merged into " os"
+    healed = k2lab.generate(model, ids, max_new_tokens=4, tokenizer=tok, token_healing=True)
+    assert healed.shape == (1, ids.shape[1] - 1 + 4)
+    assert tok.decode(healed[0]).startswith("import ")
+    # The first new token is the model's best among the tokens that start with the dropped one's bytes.
+    with torch.no_grad():
+        logits = model(ids[:, :-1])[0, -1]
+    candidates = [i for i in range(tok.vocab_size)
+                  if tok.token_bytes(i).startswith(b" ") and i not in tok.special_tokens.values()]
+    best = candidates[int(logits[candidates].argmax())]
+    assert healed[0, ids.shape[1] - 1].item() == best
+    assert tok.token_bytes(best) != b" "  # healed: the space now starts a word
+
+
+def test_token_healing_refuses_what_it_cannot_heal(nano):
+    model, tok = nano
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        k2lab.generate(model, torch.tensor([[5, 6]]), 2, token_healing=True)
+    with pytest.raises(ValueError, match="at least 2"):
+        k2lab.generate(model, torch.tensor([[5]]), 2, tokenizer=tok, token_healing=True)
