@@ -31,9 +31,10 @@ def main() -> None:
               f"(unigram baseline {unigram_bits_per_byte(train, tok, heldout, seq_len):.3f}; "
               f"{len(heldout):,} tokens)")
 
-    print("\ngreedy completions:")
+    print("\ngreedy completions (with token healing):")
     for prompt in PROMPTS:
-        out = k2lab.generate(model, torch.tensor([tok.encode(prompt)]), max_new_tokens=40)
+        out = k2lab.generate(model, torch.tensor([tok.encode(prompt)]), max_new_tokens=40, tokenizer=tok,
+                             token_healing=True)
         print(f"--- {prompt!r}\n{tok.decode(out[0].tolist())}")
 
     # Routing on held-out text: 8 windows of code and 8 of prose (never trained on).
