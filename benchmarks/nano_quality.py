@@ -23,8 +23,8 @@ def main() -> None:
     torch.set_num_threads(1)
     model, tok = k2lab.load_nano()
     seq_len = 256
-    test_suite = json.loads((NANO_DIR / "training_log.json").read_text())["train"].get("test_suite", False)
-    train = token_stream(tok, "train", test_suite=test_suite)  # what the bundled run trained on
+    test_suite = json.loads((NANO_DIR / "training_log.json").read_text()).get("test_suite_rows", 0) > 0
+    train = token_stream(tok, "train", test_suite=test_suite)  # the split the bundled run trained on
     for kind in ("code", "prose"):
         heldout = token_stream(tok, "heldout", kind)
         print(f"held-out {kind}: {bits_per_byte(model, tok, heldout, seq_len):.3f} bits/byte "

@@ -172,6 +172,11 @@ def documents(split: Split | None = "train", kind: Kind | None = None, test_suit
             if split is None or is_heldout(doc.name) == (split == "heldout"))
 
 
+def test_suite_documents(split: Split = "train") -> Iterator[Document]:
+    """The test suite's documents of one split: what ``test_suite=True`` adds to ``documents``."""
+    return (doc for doc in _test_suite_documents() if is_heldout(doc.name) == (split == "heldout"))
+
+
 def corpus_text(split: Split | None = "train", kind: Kind | None = None, separator: str = "\n\n",
                 test_suite: bool = False) -> str:
     """All the documents of a split and kind as one string, joined by `separator`."""
