@@ -84,9 +84,12 @@ def decode_matrices(cfg: K2Config, context: int) -> list[tuple[int, int]]:
     """(rows, cols) of every matrix a decode step reads: the active weight matrices (the first k experts of
     each MoE layer stand in for the chosen ones; the embedding is a row lookup) and each layer's cache
     [context, C + R]."""
+    def read(spec) -> bool:
+        expert = _EXPERT_INDEX.search(spec.name)  # None for every tensor but a routed expert's
+        return expert is None or int(expert[1]) < cfg.num_experts_per_tok
+
     shapes = [spec.shape for spec in checkpoint_tensors(cfg)
-              if len(spec.shape) == 2 and spec.component != "embedding"
-              and int((_EXPERT_INDEX.search(spec.name) or [0, 0])[1]) < cfg.num_experts_per_tok]
+              if len(spec.shape) == 2 and spec.component != "embedding" and read(spec)]
     return shapes + [(context, cfg.kv_lora_rank + cfg.qk_rope_head_dim)] * cfg.num_hidden_layers
 
 

@@ -160,21 +160,29 @@ def documents(split: Split | None = "train", kind: Kind | None = None, test_suit
               ) -> Iterator[Document]:
     """The corpus documents of one split ("train", "heldout", or None for both) and kind (None for both);
     ``test_suite`` adds the standard library's test suite after the library's code."""
-    if split not in ("train", "heldout", None) or kind not in ("code", "prose", None):
-        raise ValueError(
-            f"split must be 'train', 'heldout' or None and kind 'code', 'prose' or None; got {split!r}, {kind!r}"
-        )
+    _check(split, kind)
     kinds = ("code", "prose") if kind is None else (kind,)
     sources = {"code": [_code_documents], "prose": [_prose_documents]}  # each read once per process, then cached
     if test_suite:
         sources["code"].append(_test_suite_documents)
-    return (doc for k in kinds for source in sources[k] for doc in source()
-            if split is None or is_heldout(doc.name) == (split == "heldout"))
+    return (doc for k in kinds for source in sources[k] for doc in source() if _in_split(doc, split))
 
 
-def test_suite_documents(split: Split = "train") -> Iterator[Document]:
+def test_suite_documents(split: Split | None = "train") -> Iterator[Document]:
     """The test suite's documents of one split: what ``test_suite=True`` adds to ``documents``."""
-    return (doc for doc in _test_suite_documents() if is_heldout(doc.name) == (split == "heldout"))
+    _check(split, "code")
+    return (doc for doc in _test_suite_documents() if _in_split(doc, split))
+
+
+def _check(split: Split | None, kind: Kind | None) -> None:
+    if split not in ("train", "heldout", None) or kind not in ("code", "prose", None):
+        raise ValueError(
+            f"split must be 'train', 'heldout' or None and kind 'code', 'prose' or None; got {split!r}, {kind!r}"
+        )
+
+
+def _in_split(doc: Document, split: Split | None) -> bool:
+    return split is None or is_heldout(doc.name) == (split == "heldout")
 
 
 def corpus_text(split: Split | None = "train", kind: Kind | None = None, separator: str = "\n\n",
