@@ -101,6 +101,18 @@ def bare_gemv_seconds(shapes: list[tuple[int, int]], rounds: int) -> float:
     return alternate({"gemv": lambda: [F.linear(vectors[w.shape[1]], w) for w in matrices]}, rounds=rounds)["gemv"]
 
 
+def gemv_read_rates(shapes: list[tuple[int, int]], rounds: int, copies_bytes: int = 100 << 20
+                    ) -> dict[tuple[int, int], float]:
+    """Bytes/s a one-vector product reads for each distinct shape, over enough fresh copies (about
+    ``copies_bytes``) that the matrices come from memory, not from the CPU's caches."""
+    rates = {}
+    for shape in sorted(set(shapes)):
+        nbytes = 4 * shape[0] * shape[1]
+        count = max(1, copies_bytes // nbytes)
+        rates[shape] = count * nbytes / bare_gemv_seconds([shape] * count, rounds)
+    return rates
+
+
 def prefill_flops(cfg: K2Config, tokens: int) -> float:
     """Matmul FLOPs of a prefill: 2 * active matrix parameters per token, plus causal attention (naive path)."""
     count = k2lab.count_parameters(cfg)
@@ -151,6 +163,9 @@ def main() -> None:
 
     bandwidth = copy_bandwidth()
     print(f"\nmeasured copy bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    rates = gemv_read_rates(decode_matrices(cfg, context=0)[: -cfg.num_hidden_layers], rounds=args.rounds)
+    print("GEMV read rate by weight shape: " + ", ".join(f"{list(shape)} {rate / 1e9:.1f} GB/s"
+                                                        for shape, rate in rates.items()))
     for context in args.contexts:
         t = decode_times(ref, ours, context, rounds=max(args.rounds, 9), generator=gen)
         floor = decode_bytes(cfg, context) / bandwidth
