@@ -115,14 +115,11 @@ class RoutedExperts(nn.Module):
         order = flat.argsort(stable=True)  # slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
         hit = counts.nonzero().flatten()
-        tokens = order // k  # token of each sorted slot
-        out = x.new_empty(N * k, x.shape[-1])  # [N*k, D] in slot layout, filled one expert group at a time
-        start = 0
-        for expert, count in zip(hit.tolist(), counts[hit].tolist(), strict=True):
-            group = slice(start, start + count)
-            out[order[group]] = self.expert(expert, x[tokens[group]])  # [n, D] to the group's slots
-            start += count
-        return out.view(N, k, -1)
+        # One gather, one split, one cat and one scatter, so that backward is one pass of each too: per-group
+        # indexing or in-place writes would make autograd allocate a full [N*k, D] gradient per expert.
+        grouped = x[order // k].split(counts[hit].tolist())  # per chosen expert, its tokens [n, D]
+        by_expert = torch.cat([self.expert(e, h) for e, h in zip(hit.tolist(), grouped, strict=True)])  # [N*k, D]
+        return by_expert.new_empty(N * k, x.shape[-1]).index_copy_(0, order, by_expert).view(N, k, -1)
 
 
 class MoE(nn.Module):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hf_oracle import hf_model, relative_error, save_and_load
 
 import k2lab
@@ -44,6 +45,35 @@ def test_logits_match_hf(pair, attn_impl):
         got = ours(ids, attn_impl=attn_impl)
     assert got.dtype == torch.float32 and got.shape == (2, 33, cfg.vocab_size)
     assert relative_error(got, expected) < 1e-4, name
+
+
+def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+# Training runs the naive path with the attention-score probe attached (QK-Clip reads each head's max logit),
+# which takes the explicit-softmax branch instead of SDPA; both must backpropagate like HF.
+@pytest.mark.parametrize("probe_scores", [False, True], ids=["sdpa", "explicit_scores"])
+def test_gradients_match_hf(pair, probe_scores):
+    name, cfg, ref, ours = pair
+    ids = _ids(cfg, 2, 33, seed=3)
+    probes = [(lambda n: n.endswith("hook_attn_scores"), lambda scores, hook: scores)] if probe_scores else []
+    try:
+        _next_token_loss(ref(ids).logits, ids).backward()
+        with ours.hooks(probes):
+            _next_token_loss(ours(ids, attn_impl="naive"), ids).backward()
+        expected = {n.removeprefix("model."): p.grad for n, p in ref.named_parameters()}
+        I = cfg.moe_intermediate_size
+        for n, p in ours.named_parameters():
+            if n.endswith(("experts.gate_proj", "experts.up_proj")):  # HF stacks them as gate_up_proj [E, 2I, D]
+                fused = expected[n.rsplit(".", 1)[0] + ".gate_up_proj"]
+                want = fused[:, :I] if n.endswith("gate_proj") else fused[:, I:]
+            else:
+                want = expected[n]
+            assert p.grad is not None and relative_error(p.grad, want) < 1e-4, (name, n)
+    finally:
+        ref.zero_grad(set_to_none=True)
+        ours.zero_grad(set_to_none=True)
 
 
 def test_latent_cache_decoding_matches_full_forward(pair):
