@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -12,12 +13,15 @@ from k2lab.train import StepProbes
 CFG = K2Config.mini().replace(vocab_size=256, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2)
 
 
-def test_newton_schulz_flattens_the_spectrum():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_newton_schulz_flattens_the_spectrum(dtype):
     g = torch.randn(3, 48, 80) @ torch.diag(torch.logspace(-1.5, 1, 80))  # singular values spread 300x
-    s = torch.linalg.svdvals(newton_schulz(g))
+    out = newton_schulz(g, dtype=dtype)
+    assert out.dtype == torch.float32  # iterated in dtype, returned in the gradient's dtype
+    s = torch.linalg.svdvals(out)
     assert s.min() > 0.6 and s.max() < 1.25  # the quintic iteration's band around 1
     u, _, vh = torch.linalg.svd(g[0], full_matrices=False)
-    assert F.cosine_similarity(newton_schulz(g)[0].flatten(), (u @ vh).flatten(), dim=0) > 0.95
+    assert F.cosine_similarity(out[0].flatten(), (u @ vh).flatten(), dim=0) > 0.95
 
 
 def _max_logits(model: K2Model, ids: torch.Tensor) -> torch.Tensor:
