@@ -37,11 +37,11 @@ def newton_schulz(grad: torch.Tensor, steps: int = 5, eps: float = 1e-7,
     return (x.transpose(-2, -1) if wide else x).to(grad.dtype)
 
 
-def muon_update(grad: torch.Tensor) -> torch.Tensor:
+def muon_update(grad: torch.Tensor, ns_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Muon's step direction for a matrix (or a stack of matrices [E, A, B]), scaled by 0.2 * sqrt(max(A, B))
     so that its RMS matches a typical AdamW update (Moonlight's rule): one learning rate serves both."""
     rows, cols = grad.shape[-2:]
-    return newton_schulz(grad) * (0.2 * math.sqrt(max(rows, cols)))
+    return newton_schulz(grad, dtype=ns_dtype) * (0.2 * math.sqrt(max(rows, cols)))
 
 
 class MuonClip(torch.optim.Optimizer):
@@ -49,16 +49,18 @@ class MuonClip(torch.optim.Optimizer):
     norms), decoupled weight decay for both. QK-Clip is applied after the step by ``qk_clip``, because it
     needs the attention logits of the forward pass.
 
-    Param groups carry ``use_muon``; ``MuonClip.for_model(model, lr, weight_decay)`` builds them.
+    Param groups carry ``use_muon``; ``MuonClip.for_model(model, lr, weight_decay)`` builds them. ``ns_dtype``
+    is the dtype Newton-Schulz iterates in: float32 on a CPU without native bfloat16 matmuls.
     """
 
     def __init__(self, params, lr: float = 2e-3, weight_decay: float = 0.1, momentum: float = 0.95,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8):
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, betas=betas, eps=eps, use_muon=False)
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, ns_dtype: torch.dtype = torch.bfloat16):
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, betas=betas, eps=eps, use_muon=False,
+                        ns_dtype=ns_dtype)
         super().__init__(params, defaults)
 
     @classmethod
-    def for_model(cls, model: K2Model, lr: float, weight_decay: float = 0.1) -> MuonClip:
+    def for_model(cls, model: K2Model, lr: float, weight_decay: float = 0.1, **options) -> MuonClip:
         muon, adam = [], []
         for name, p in model.named_parameters():
             hidden_matrix = p.dim() >= 2 and not name.startswith(("embed_tokens", "lm_head"))
@@ -71,7 +73,7 @@ class MuonClip(torch.optim.Optimizer):
             {"params": decayed_adam, "use_muon": False},
             {"params": other, "use_muon": False, "weight_decay": 0.0},
         ]
-        return cls(groups, lr=lr, weight_decay=weight_decay)
+        return cls(groups, lr=lr, weight_decay=weight_decay, **options)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -84,7 +86,7 @@ class MuonClip(torch.optim.Optimizer):
                 if group["use_muon"]:
                     buf = state.setdefault("momentum", torch.zeros_like(p))
                     buf.mul_(group["momentum"]).add_(p.grad)
-                    update = muon_update(p.grad.add(buf, alpha=group["momentum"]))  # Nesterov momentum
+                    update = muon_update(p.grad.add(buf, alpha=group["momentum"]), group["ns_dtype"])  # Nesterov
                 else:
                     beta1, beta2 = group["betas"]
                     state["step"] = state.get("step", 0) + 1

@@ -1,0 +1,69 @@
+"""What one training step of K2-nano costs at each width, and what Newton-Schulz in bfloat16 saves.
+
+    python -m benchmarks.train_step [--widths 128 192 256] [--rounds 5] [--threads 2]
+
+A step is what ``k2lab.train`` runs: a forward of 16 x 256 tokens with the recipe's probes attached (each
+head's max logit for QK-Clip, each MoE layer's expert counts), the backward, and MuonClip's update. The widths
+are ``K2Config.nano(width)``; the last contender is the bundled width with Newton-Schulz iterating in float32
+instead of bfloat16. All contenders alternate round by round in one process, and the ratios are the figures to
+quote. Two threads by default, as the bundled run trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from k2lab import K2Config, K2Model
+from k2lab.optim import MuonClip
+from k2lab.train import StepProbes, TrainConfig
+
+from .timing import alternate
+
+
+def training_step(cfg: K2Config, batch: torch.Tensor, ns_dtype: torch.dtype):
+    """A closure running one full training step on ``batch`` [B, T+1] (the model and optimiser live in it)."""
+    model = K2Model(cfg)
+    model.init_weights(seed=0)
+    model.train()
+    opt = MuonClip.for_model(model, lr=TrainConfig.lr, ns_dtype=ns_dtype)
+
+    def step() -> None:
+        probes = StepProbes()
+        with model.hooks(probes.hooks(model)):
+            logits = model(batch[:, :-1], attn_impl="naive")
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", type=int, nargs="+", default=[128, 192, 256])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tc = TrainConfig()
+    batch = torch.randint(0, 7936, (tc.batch_size, tc.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    bundled = K2Config.nano().hidden_size
+    contenders = {f"width {w}": (K2Config.nano(w), torch.bfloat16) for w in sorted({*args.widths, bundled})}
+    contenders[f"width {bundled}, Newton-Schulz in float32"] = (K2Config.nano(), torch.float32)
+    seconds = alternate({name: training_step(cfg, batch, ns) for name, (cfg, ns) in contenders.items()},
+                        rounds=args.rounds)
+    tokens = tc.batch_size * tc.seq_len
+    reference = seconds[f"width {bundled}"]
+    print(f"one training step of {tc.batch_size} x {tc.seq_len} tokens, {args.threads} threads, "
+          f"median of {args.rounds} alternating rounds:")
+    for name, s in seconds.items():
+        params = sum(p.numel() for p in K2Model(contenders[name][0]).parameters())
+        print(f"  {name:42s} {s * 1000:7.0f} ms  {tokens / s:7,.0f} tokens/s  {s / reference:5.2f}x the bundled "
+              f"step  ({params / 1e6:.1f} M parameters)")
+
+if __name__ == "__main__":
+    main()
