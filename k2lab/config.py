@@ -160,12 +160,19 @@ class K2Config:
         )
 
     @classmethod
-    def nano(cls) -> K2Config:
-        """K2-nano, the lab's bundled trained model: mini's switches at 6 blocks, 32 experts of 128 top-4, and
-        the nano tokenizer's 8,192 ids ([BOS] 7936, [EOS] 7937)."""
+    def nano(cls, width: int = 128) -> K2Config:
+        """K2-nano, the lab's bundled trained model: mini's switches at 6 blocks, 32 experts top-4 and the nano
+        tokenizer's 8,192 ids ([BOS] 7936, [EOS] 7937), with every matrix sized from ``width``: dense MLP
+        3 * width, experts width / 2, q latent 3 * width / 8, kv latent width / 4 (256 gives 768, 128, 96, 64).
+
+        The bundled model is 128 wide, the width that an hour on two CPU cores trains best: at equal time, 128
+        beat 192 and 256 on held-out code (README)."""
+        if width % 8:
+            raise ValueError(f"nano width must be a multiple of 8, got {width}")
         return cls.mini().replace(
-            num_hidden_layers=6, n_routed_experts=32, moe_intermediate_size=128, bos_token_id=7936,
-            eos_token_id=7937,
+            hidden_size=width, intermediate_size=3 * width, moe_intermediate_size=width // 2,
+            q_lora_rank=3 * width // 8, kv_lora_rank=width // 4, num_hidden_layers=6, n_routed_experts=32,
+            bos_token_id=7936, eos_token_id=7937,
         )
 
     def replace(self, **changes: Any) -> K2Config:
