@@ -2,8 +2,8 @@
 
     python -m benchmarks.train_step [--widths 128 192 256] [--rounds 5] [--threads 2]
 
-A step is what ``k2lab.train`` runs: a forward of 16 x 256 tokens with the recipe's probes attached (each
-head's max logit for QK-Clip, each MoE layer's expert counts), the backward, and MuonClip's update. The widths
+A step is ``k2lab.train.recipe_step``, what the bundled run repeats: a forward of 16 x 256 tokens with the
+recipe's probes attached, the backward, MuonClip's update, QK-Clip and the bias update. The widths
 are ``K2Config.nano(width)``; the last contender is the bundled width with Newton-Schulz iterating in float32
 instead of bfloat16. All contenders alternate round by round in one process, and the ratios are the figures to
 quote. Two threads by default, as the bundled run trains.
@@ -14,32 +14,22 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 from k2lab import K2Config, K2Model
 from k2lab.optim import MuonClip
-from k2lab.train import StepProbes, TrainConfig
+from k2lab.train import TrainConfig, recipe_step
 
 from .timing import alternate
 
 
 def training_step(cfg: K2Config, batch: torch.Tensor, ns_dtype: torch.dtype):
-    """A closure running one full training step on ``batch`` [B, T+1] (the model and optimiser live in it)."""
+    """A closure running one step of the recipe on ``batch`` [B, T+1] (the model and optimiser live in it)."""
+    tc = TrainConfig()
     model = K2Model(cfg)
     model.init_weights(seed=0)
     model.train()
-    opt = MuonClip.for_model(model, lr=TrainConfig.lr, ns_dtype=ns_dtype)
-
-    def step() -> None:
-        probes = StepProbes()
-        with model.hooks(probes.hooks(model)):
-            logits = model(batch[:, :-1], attn_impl="naive")
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    return step
+    opt = MuonClip.for_model(model, lr=tc.lr, weight_decay=tc.weight_decay, ns_dtype=ns_dtype)
+    return lambda: recipe_step(model, opt, batch, tc.qk_clip_tau, tc.bias_step)
 
 
 def main() -> None:

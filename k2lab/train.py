@@ -126,6 +126,24 @@ class StepProbes:
                 (lambda n: n.endswith("mlp.gate.hook_topk_idx"), record_load)]
 
 
+def recipe_step(model: K2Model, opt: MuonClip, batch: torch.Tensor, qk_clip_tau: float,
+                bias_step: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepProbes]:
+    """One step of the recipe on ``batch`` [B, T+1]: forward with the probes attached, backward, MuonClip's
+    update, then QK-Clip and the bias update from what the probes saw. Returns the loss, each head's max logit
+    [L, H], QK-Clip's gamma [L, H] (1 = not clipped) and the probes (expert counts per MoE layer)."""
+    probes = StepProbes()
+    with model.hooks(probes.hooks(model)):
+        logits = model(batch[:, :-1], attn_impl="naive")
+    loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    max_logits = torch.stack(probes.max_logits)  # [L, H]
+    gamma = qk_clip(model, max_logits, qk_clip_tau)
+    balance_router_bias(model, probes.expert_counts, bias_step)
+    return loss.detach(), max_logits, gamma, probes
+
+
 def train(cfg: K2Config, tc: TrainConfig, tokenizer: K2Tokenizer, log_every: int = 10) -> tuple[K2Model, dict]:
     """Run the recipe; returns the trained model and its log (config, per-step records, evaluations)."""
     if tc.threads:
@@ -152,16 +170,7 @@ def train(cfg: K2Config, tc: TrainConfig, tokenizer: K2Tokenizer, log_every: int
         if test_rows:
             rows.append(sample_batch(tests, test_rows, tc.seq_len, gen))
         batch = torch.cat(rows)  # [B, T+1]
-        probes = StepProbes()
-        with model.hooks(probes.hooks(model)):
-            logits = model(batch[:, :-1], attn_impl="naive")
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        max_logits = torch.stack(probes.max_logits)  # [L, H]
-        gamma = qk_clip(model, max_logits, tc.qk_clip_tau)
-        balance_router_bias(model, probes.expert_counts, bias_step)
+        loss, max_logits, gamma, probes = recipe_step(model, opt, batch, tc.qk_clip_tau, bias_step)
         log["steps"].append({
             "step": step, "loss": round(loss.item(), 4), "lr": lr, "bias_step": bias_step,
             "max_logits": max_logits.round(decimals=2).tolist(),

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from k2lab import K2Config, K2Model
 from k2lab.optim import MuonClip, balance_router_bias, newton_schulz, qk_clip, wsd_lr
-from k2lab.train import StepProbes
+from k2lab.train import StepProbes, recipe_step
 
 CFG = K2Config.mini().replace(vocab_size=256, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2)
 
@@ -103,15 +103,8 @@ def test_a_few_steps_lower_the_loss():
     batch = torch.randint(0, CFG.vocab_size, (4, 33))
     losses = []
     for _ in range(8):
-        probes = StepProbes()
-        with model.hooks(probes.hooks(model)):
-            logits = model(batch[:, :-1], attn_impl="naive")
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        qk_clip(model, torch.stack(probes.max_logits), tau=30.0)
-        balance_router_bias(model, probes.expert_counts, 1e-3)
+        loss, max_logits, gamma, probes = recipe_step(model, opt, batch, qk_clip_tau=30.0, bias_step=1e-3)
         losses.append(loss.item())
+    assert max_logits.shape == gamma.shape == (CFG.num_hidden_layers, CFG.num_attention_heads)
     assert losses[-1] < losses[0] - 0.5
     assert len(probes.expert_counts) == 1 and int(probes.expert_counts[0].sum()) == 4 * 32 * 2
