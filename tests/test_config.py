@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from k2lab import K2Config
+from k2lab import K2Config, K2Model
 from k2lab.rope import cos_sin_scale, inverse_frequencies, yarn_correction_range, yarn_ramp
 
 RELEASED = Path(__file__).parent / "data" / "kimi_k2_instruct_config.json"
@@ -117,3 +117,18 @@ def test_mini_keeps_every_k2_switch():
     assert cfg.q_lora_rank and cfg.rope_type == "yarn" and cfg.rope_factor == 32.0 and cfg.rope_interleave
     assert cfg.first_k_dense_replace == 1 and cfg.n_shared_experts == 1 and cfg.num_experts_per_tok >= 2
     assert cfg.norm_topk_prob and cfg.routed_scaling_factor == 2.827
+
+
+@pytest.mark.parametrize("width", [64, 128, 192, 256])
+def test_nano_scales_every_matrix_with_its_width_and_keeps_k2s_switches(width):
+    cfg = K2Config.nano(width)
+    assert cfg.hidden_size == width and cfg.intermediate_size == 3 * width
+    assert 8 * cfg.q_lora_rank == 3 * width and 4 * cfg.kv_lora_rank == width and 2 * cfg.moe_intermediate_size == width
+    assert cfg.q_lora_rank and cfg.first_k_dense_replace == 1 and cfg.n_shared_experts == 1
+    assert cfg.vocab_size == 8192 and (cfg.bos_token_id, cfg.eos_token_id) == (7936, 7937)
+    K2Model(cfg)  # builds
+
+
+def test_nano_names_a_width_it_cannot_split():
+    with pytest.raises(ValueError, match="multiple of 8, got 100"):
+        K2Config.nano(100)
