@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from k2lab import K2Config, K2Model
+from k2lab import K2Config, K2Model, count_parameters
 from k2lab.optim import MuonClip
 from k2lab.train import TrainConfig, recipe_step
 
@@ -51,7 +51,7 @@ def main() -> None:
     print(f"one training step of {tc.batch_size} x {tc.seq_len} tokens, {args.threads} threads, "
           f"median of {args.rounds} alternating rounds:")
     for name, s in seconds.items():
-        params = sum(p.numel() for p in K2Model(contenders[name][0]).parameters())
+        params = count_parameters(contenders[name][0]).total
         print(f"  {name:42s} {s * 1000:7.0f} ms  {tokens / s:7,.0f} tokens/s  {s / reference:5.2f}x the bundled "
               f"step  ({params / 1e6:.1f} M parameters)")
 

@@ -222,13 +222,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Train K2-nano with K2's recipe on the standard library.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="nano")
     parser.add_argument("--out", type=Path, default=Path("assets/nano"), help="checkpoint folder")
-    parser.add_argument("--width", type=int, default=128, help="hidden size; every matrix scales with it")
+    parser.add_argument("--width", type=int, help="hidden size, the preset's own by default; every matrix scales")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="override TrainConfig fields, e.g. --set steps=400 lr=1e-2 threads=1")
     args = parser.parse_args()
     model_factory, train_factory = PRESETS[args.preset]
     try:
-        model_cfg, train_cfg = model_factory(args.width), train_config_from(args.set, train_factory())
+        model_cfg = model_factory() if args.width is None else model_factory(args.width)
+        train_cfg = train_config_from(args.set, train_factory())
     except ValueError as err:
         parser.error(str(err))
     tokenizer = load_tokenizer(NANO_TOKENIZER_DIR)
