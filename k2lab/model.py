@@ -131,10 +131,13 @@ class K2Model(HookedModule):
         if T == 0:
             raise ValueError("input_ids is empty: at least one token is needed")
         vocab = self.config.vocab_size
-        lo, hi = input_ids.min().item(), input_ids.max().item()
-        if lo < 0 or hi >= vocab:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is outside the vocabulary of {vocab} (valid ids: 0..{vocab - 1})")
+        # Reading the ids back is a sync that torch.compile would break its graph on; compiled callers (the
+        # training run) feed ids they sampled from the tokenizer's own stream.
+        if not torch.compiler.is_compiling():
+            lo, hi = input_ids.min().item(), input_ids.max().item()
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} is outside the vocabulary of {vocab} (valid ids: 0..{vocab - 1})")
         start = cache.length if cache is not None else 0
         if start + T > self.config.max_position_embeddings:
             raise ValueError(

@@ -106,6 +106,9 @@ class RoutedExperts(nn.Module):
         gate, up, down = self.expert_weights(expert)
         return F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
 
+    # Which experts run, and on how many tokens, is data: torch.compile would specialise on it and recompile
+    # every step. Compiled models (the training run) call this eagerly and fuse the dense code around it.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [N, D], idx [N, k] -> each slot's expert output [N, k, D]."""
         N, k = idx.shape

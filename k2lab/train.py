@@ -16,7 +16,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -54,6 +54,10 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 600
     threads: int | None = 2  # both cores; the run needs the machine to itself
+    # torch.compile the loss (forward, head and cross-entropy) and so its backward: inductor fuses the element-wise
+    # ops between the matmuls, about 40% of an eager step at this size. Needs a C++ compiler; compiling (minutes
+    # on a cold cache) counts in the run's time.
+    compile: bool = True
 
 
 PRESETS = {"nano": (K2Config.nano, TrainConfig)}
@@ -126,15 +130,22 @@ class StepProbes:
                 (lambda n: n.endswith("mlp.gate.hook_topk_idx"), record_load)]
 
 
-def recipe_step(model: K2Model, opt: MuonClip, batch: torch.Tensor, qk_clip_tau: float,
-                bias_step: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepProbes]:
+def next_token_loss(model: K2Model, batch: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of each next token: batch [B, T+1] ids, inputs batch[:, :-1], targets batch[:, 1:]."""
+    logits = model(batch[:, :-1], attn_impl="naive")  # [B, T, V]
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
+def recipe_step(model: K2Model, opt: MuonClip, batch: torch.Tensor, qk_clip_tau: float, bias_step: float,
+                loss_fn: Callable[[K2Model, torch.Tensor], torch.Tensor] = next_token_loss,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepProbes]:
     """One step of the recipe on ``batch`` [B, T+1]: forward with the probes attached, backward, MuonClip's
     update, then QK-Clip and the bias update from what the probes saw. Returns the loss, each head's max logit
-    [L, H], QK-Clip's gamma [L, H] (1 = not clipped) and the probes (expert counts per MoE layer)."""
+    [L, H], QK-Clip's gamma [L, H] (1 = not clipped) and the probes (expert counts per MoE layer).
+    ``loss_fn`` may be ``torch.compile(next_token_loss)``: the probes' hooks are traced into it."""
     probes = StepProbes()
     with model.hooks(probes.hooks(model)):
-        logits = model(batch[:, :-1], attn_impl="naive")
-    loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        loss = loss_fn(model, batch)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -158,6 +169,7 @@ def train(cfg: K2Config, tc: TrainConfig, tokenizer: K2Tokenizer, log_every: int
     model.init_weights(seed=tc.seed)
     model.train()
     opt = MuonClip.for_model(model, lr=tc.lr, weight_decay=tc.weight_decay)
+    loss_fn = torch.compile(next_token_loss) if tc.compile else next_token_loss  # evaluations run eager
     log: dict = {"model": asdict(cfg), "train": asdict(tc), "train_tokens": len(library) + len(tests),
                  "test_suite_rows": test_rows, "steps": [], "evals": []}
     start = time.perf_counter()
@@ -170,7 +182,7 @@ def train(cfg: K2Config, tc: TrainConfig, tokenizer: K2Tokenizer, log_every: int
         if test_rows:
             rows.append(sample_batch(tests, test_rows, tc.seq_len, gen))
         batch = torch.cat(rows)  # [B, T+1]
-        loss, max_logits, gamma, probes = recipe_step(model, opt, batch, tc.qk_clip_tau, bias_step)
+        loss, max_logits, gamma, probes = recipe_step(model, opt, batch, tc.qk_clip_tau, bias_step, loss_fn)
         log["steps"].append({
             "step": step, "loss": round(loss.item(), 4), "lr": lr, "bias_step": bias_step,
             "max_logits": max_logits.round(decimals=2).tolist(),
@@ -200,6 +212,9 @@ def bias_state(model: K2Model) -> list[list[float]]:
     return [layer.mlp.gate.e_score_correction_bias.tolist() for layer in model.layers if isinstance(layer.mlp, MoE)]
 
 
+_BOOLS = {"true": True, "1": True, "false": False, "0": False}
+
+
 def train_config_from(pairs: Iterable[str], base: TrainConfig | None = None) -> TrainConfig:
     """``TrainConfig`` with ``key=value`` overrides (``["steps=400", "lr=1e-2"]``), each value read as its
     field's type. Raises ValueError naming an unknown key or a value of the wrong type."""
@@ -211,8 +226,8 @@ def train_config_from(pairs: Iterable[str], base: TrainConfig | None = None) -> 
             raise ValueError(f"{pair!r}: expected key=value with a TrainConfig field as key, one of {fields}")
         kind = type(getattr(tc, key))
         try:
-            setattr(tc, key, kind(text))
-        except ValueError:
+            setattr(tc, key, _BOOLS[text.lower()] if kind is bool else kind(text))
+        except (KeyError, ValueError):
             raise ValueError(f"{pair!r}: {key} takes {kind.__name__} values") from None
     tc.eval_every = min(tc.eval_every, tc.steps)
     return tc

@@ -1,10 +1,13 @@
-"""The training command's overrides: ``python -m k2lab.train --set key=value ...``."""
+"""The training command's overrides (``python -m k2lab.train --set key=value ...``) and its compiled step."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from k2lab.train import TrainConfig, train_config_from
+from k2lab import K2Config, K2Model
+from k2lab.optim import MuonClip
+from k2lab.train import StepProbes, TrainConfig, next_token_loss, recipe_step, train_config_from
 
 
 def test_overrides_take_each_fields_type():
@@ -20,3 +23,34 @@ def test_overrides_take_each_fields_type():
 def test_a_bad_override_is_named(pair, named):
     with pytest.raises(ValueError, match=named):
         train_config_from([pair])
+
+
+def _loss_grads_probes(model, batch, loss_fn):
+    probes = StepProbes()
+    with model.hooks(probes.hooks(model)):
+        loss = loss_fn(model, batch)
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    return loss.detach(), grads, probes
+
+
+def test_a_compiled_step_matches_the_eager_step():
+    """The run trains through torch.compile(next_token_loss). From the same weights it gives the eager loss,
+    gradients and probes (traced into the graph), and batches with other routing run without recompiling."""
+    cfg = K2Config.mini().replace(vocab_size=256, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2)
+    model = K2Model(cfg)
+    model.init_weights(std=0.1, seed=0)
+    opt = MuonClip.for_model(model, lr=1e-2)
+    compiled = torch.compile(next_token_loss)
+    batches = torch.randint(0, cfg.vocab_size, (3, 4, 33), generator=torch.Generator().manual_seed(0))
+    for i, batch in enumerate(batches):
+        with torch.compiler.set_stance("fail_on_recompile" if i > 0 else "default"):
+            got_loss, got_grads, got = _loss_grads_probes(model, batch, compiled)
+        want_loss, want_grads, want = _loss_grads_probes(model, batch, next_token_loss)
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+        for (name, _), g, w in zip(model.named_parameters(), got_grads, want_grads, strict=True):
+            assert (g is None) == (w is None), name
+            if w is not None:
+                torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-6, msg=name)
+        torch.testing.assert_close(torch.stack(got.max_logits), torch.stack(want.max_logits))  # [L, H]
+        assert [c.tolist() for c in got.expert_counts] == [c.tolist() for c in want.expert_counts]
+        recipe_step(model, opt, batch, qk_clip_tau=30.0, bias_step=1e-2, loss_fn=compiled)  # on to new weights
