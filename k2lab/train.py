@@ -36,12 +36,12 @@ from .tokenizer import NANO_TOKENIZER_DIR, K2Tokenizer, load_tokenizer
 class TrainConfig:
     """Everything a run depends on; written into the log so a run can be repeated from it."""
 
-    steps: int = 2400
+    steps: int = 2900
     batch_size: int = 16
     seq_len: int = 256
     lr: float = 1e-2
     weight_decay: float = 0.1
-    warmup: int = 120
+    warmup: int = 145
     decay_fraction: float = 0.3
     qk_clip_tau: float = 30.0  # K2 uses 100 at its scale; a small, short run peaks lower
     # The bias step u follows the schedule's decay down to 0, as DeepSeek-V3 stops its bias updates at the end:
