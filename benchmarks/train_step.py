@@ -6,9 +6,9 @@ bfloat16 save.
 A step is ``k2lab.train.recipe_step``, what the bundled run repeats: a forward of 16 x 256 tokens with the
 recipe's probes attached, the backward, MuonClip's update, QK-Clip and the bias update. The widths
 are ``K2Config.nano(width)``, stepped eagerly; then the bundled width stepped as the run does, through
-``torch.compile(next_token_loss)`` (compiled in the untimed warmup round), and with Newton-Schulz iterating in
-float32 instead of bfloat16. All contenders alternate round by round in one process, and the ratios are the figures to
-quote. Two threads by default, as the bundled run trains.
+``torch.compile(next_token_loss)`` (compiled in the untimed warmup round), and with Newton-Schulz iterating
+in float32 instead of bfloat16. All contenders alternate round by round in one process, and the ratios are the
+figures to quote. Two threads by default, as the bundled run trains.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main() -> None:
         params = count_parameters(contenders[name][0]).total
         print(f"  {name:42s} {s * 1000:7.0f} ms  {tokens / s:7,.0f} tokens/s  {s / reference:5.2f}x the eager "
               f"{bundled}-wide step  ({params / 1e6:.1f} M parameters)")
+
 
 if __name__ == "__main__":
     main()

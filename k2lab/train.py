@@ -87,6 +87,13 @@ def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, gen: torch
     return torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()]).long()
 
 
+def next_token_loss(model: K2Model, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy in nats of each next token ("mean" or "sum" over them): batch [B, T+1] ids, inputs
+    batch[:, :-1], targets batch[:, 1:]."""
+    logits = model(batch[:, :-1], attn_impl="naive")  # [B, T, V]
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction=reduction)
+
+
 @torch.no_grad()
 def bits_per_byte(model: K2Model, tokenizer: K2Tokenizer, tokens: torch.Tensor, seq_len: int,
                   batch_size: int = 16) -> float:
@@ -96,8 +103,7 @@ def bits_per_byte(model: K2Model, tokenizer: K2Tokenizer, tokens: torch.Tensor, 
     token_bytes = torch.tensor([len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)])
     nats, nbytes = 0.0, 0
     for chunk in windows.split(batch_size):
-        logits = model(chunk[:, :-1], attn_impl="naive")
-        nats += F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").item()
+        nats += next_token_loss(model, chunk, reduction="sum").item()
         nbytes += int(token_bytes[chunk[:, 1:]].sum())
     return nats / math.log(2) / nbytes
 
@@ -131,12 +137,6 @@ class StepProbes:
 
         return [(lambda n: n.endswith("self_attn.hook_attn_scores"), record_max),
                 (lambda n: n.endswith("mlp.gate.hook_topk_idx"), record_load)]
-
-
-def next_token_loss(model: K2Model, batch: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of each next token: batch [B, T+1] ids, inputs batch[:, :-1], targets batch[:, 1:]."""
-    logits = model(batch[:, :-1], attn_impl="naive")  # [B, T, V]
-    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
 
 def recipe_step(model: K2Model, opt: MuonClip, batch: torch.Tensor, qk_clip_tau: float, bias_step: float,
