@@ -18,14 +18,26 @@ from .moe import MoE
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
+def native_bfloat16(device: torch.device | str) -> bool:
+    """Whether matmuls on ``device`` run natively in bfloat16: CUDA GPUs from Ampere on, and CPUs that oneDNN has
+    bfloat16 kernels for (AVX-512 or AMX). An AVX2-only CPU emulates them: a bfloat16 matmul there ran 50-100x
+    slower than float32 (AMD EPYC, torch 2.13)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def newton_schulz(grad: torch.Tensor, steps: int = 5, eps: float = 1e-7,
-                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """Approximately orthogonalise the last two dims of ``grad`` [..., A, B]: U V^T of its SVD, which keeps the
     directions of the update and sets all their magnitudes (singular values) to about one.
 
-    The iteration runs in ``dtype``, bfloat16 as in Muon's reference: it only has to land singular values in a
-    band around one, and bfloat16 matmuls run about twice as fast on CPUs and GPUs that support them. The result
-    comes back in ``grad``'s dtype."""
+    The iteration runs in ``dtype``; by default bfloat16 as in Muon's reference where the device has native
+    bfloat16 matmuls (about twice as fast: it only has to land singular values in a band around one), float32
+    elsewhere. The result comes back in ``grad``'s dtype."""
+    if dtype is None:
+        dtype = torch.bfloat16 if native_bfloat16(grad.device) else torch.float32
     a, b, c = _NS_COEFFS
     x = (grad / (grad.norm(dim=(-2, -1), keepdim=True) + eps)).to(dtype)  # spectral norm <= 1: it converges
     wide = x.shape[-2] > x.shape[-1]
@@ -37,7 +49,7 @@ def newton_schulz(grad: torch.Tensor, steps: int = 5, eps: float = 1e-7,
     return (x.transpose(-2, -1) if wide else x).to(grad.dtype)
 
 
-def muon_update(grad: torch.Tensor, ns_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def muon_update(grad: torch.Tensor, ns_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Muon's step direction for a matrix (or a stack of matrices [E, A, B]), scaled by 0.2 * sqrt(max(A, B))
     so that its RMS matches a typical AdamW update (Moonlight's rule): one learning rate serves both."""
     rows, cols = grad.shape[-2:]
@@ -50,11 +62,11 @@ class MuonClip(torch.optim.Optimizer):
     needs the attention logits of the forward pass.
 
     Param groups carry ``use_muon``; ``MuonClip.for_model(model, lr, weight_decay)`` builds them. ``ns_dtype``
-    is the dtype Newton-Schulz iterates in: float32 on a CPU without native bfloat16 matmuls.
+    is the dtype Newton-Schulz iterates in (None: bfloat16 where matmuls are native in it, else float32).
     """
 
     def __init__(self, params, lr: float = 2e-3, weight_decay: float = 0.1, momentum: float = 0.95,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, ns_dtype: torch.dtype = torch.bfloat16):
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, ns_dtype: torch.dtype | None = None):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, betas=betas, eps=eps, use_muon=False,
                         ns_dtype=ns_dtype)
         super().__init__(params, defaults)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from k2lab import K2Config, K2Model
-from k2lab.optim import MuonClip, balance_router_bias, newton_schulz, qk_clip, wsd_lr
+from k2lab.optim import MuonClip, balance_router_bias, native_bfloat16, newton_schulz, qk_clip, wsd_lr
 from k2lab.train import StepProbes, recipe_step
 
 CFG = K2Config.mini().replace(vocab_size=256, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2)
@@ -22,6 +22,15 @@ def test_newton_schulz_flattens_the_spectrum(dtype):
     assert s.min() > 0.6 and s.max() < 1.25  # the quintic iteration's band around 1
     u, _, vh = torch.linalg.svd(g[0], full_matrices=False)
     assert F.cosine_similarity(out[0].flatten(), (u @ vh).flatten(), dim=0) > 0.95
+
+
+def test_newton_schulz_iterates_in_bfloat16_only_where_matmuls_are_native(monkeypatch):
+    g = torch.randn(2, 16, 24)
+    for native, dtype in [(True, torch.bfloat16), (False, torch.float32)]:
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda native=native: native)
+        assert native_bfloat16("cpu") is native
+        assert torch.equal(newton_schulz(g), newton_schulz(g, dtype=dtype))
+        assert not torch.equal(newton_schulz(g), newton_schulz(g, dtype=torch.float64))  # dtype does matter
 
 
 def _max_logits(model: K2Model, ids: torch.Tensor) -> torch.Tensor:
