@@ -102,6 +102,14 @@ class K2Model(HookedModule):
                 attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
         """input_ids [B, T] (int) -> logits [B, T, V] float32. With a cache, positions continue from
         ``cache.length`` and the new tokens' latents are appended to it."""
+        x = self.last_hidden_state(input_ids, cache, attn_impl)  # [B, T, D]
+        logits = self.hook_logits(self.lm_head(x.to(self.lm_head.weight.device)).float())  # [B, T, V]
+        return logits.to(self.device)  # where the ids were sent, as if the model were on one device
+
+    def last_hidden_state(self, input_ids: torch.Tensor, cache: LatentCache | None = None,
+                          attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
+        """The forward up to the head: the final normalised residual [B, T, D] (``norm.hook_out``), which the
+        head turns into logits. Training feeds it to the head chunk by chunk (``k2lab.loss``)."""
         ids = self._check_input(input_ids, cache)
         B, T = ids.shape
         start = cache.length if cache is not None else 0
@@ -114,9 +122,7 @@ class K2Model(HookedModule):
             x = layer(x.to(device), self.rotary_emb, cos.to(device), sin.to(device), cache, attn_impl)
         if cache is not None:
             cache.advance(T)
-        x = self.norm.hook_out(self.norm(x.to(self.norm.weight.device)))
-        logits = self.hook_logits(self.lm_head(x.to(self.lm_head.weight.device)).float())  # [B, T, V]
-        return logits.to(ids.device)  # where the input came from, as if the model were on one device
+        return self.norm.hook_out(self.norm(x.to(self.norm.weight.device)))  # [B, T, D]
 
     def _check_input(self, input_ids: torch.Tensor, cache: LatentCache | None) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor):

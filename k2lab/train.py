@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from . import corpus
 from .config import K2Config
+from .loss import head_cross_entropy
 from .model import K2Model
 from .moe import MoE
 from .nano import save_checkpoint
@@ -89,9 +89,10 @@ def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, gen: torch
 
 def next_token_loss(model: K2Model, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy in nats of each next token ("mean" or "sum" over them): batch [B, T+1] ids, inputs
-    batch[:, :-1], targets batch[:, 1:]."""
-    logits = model(batch[:, :-1], attn_impl="naive")  # [B, T, V]
-    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction=reduction)
+    batch[:, :-1], targets batch[:, 1:]. The head runs chunk by chunk (``k2lab.loss``), so the batch's logits
+    are never whole and ``hook_logits`` does not fire."""
+    hidden = model.last_hidden_state(batch[:, :-1], attn_impl="naive")  # [B, T, D]
+    return head_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch[:, 1:].flatten(), reduction)
 
 
 @torch.no_grad()
