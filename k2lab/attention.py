@@ -128,6 +128,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.hook_k_pe = HookPoint()  # [B, T, R] the one shared rotary key, before rotation
         self.hook_rot_k_pe = HookPoint()  # [B, T, R] rotated: what the cache stores
         self.hook_attn_scores = HookPoint()  # [B, H, T, S] scaled, masked pre-softmax logits (only when probed)
+        # [B, H] each head's largest scaled logit over the positions it may see, detached: what QK-Clip watches.
+        # Computed only when probed, without leaving the fused kernel (replacing it changes nothing downstream).
+        self.hook_max_logit = HookPoint()
         self.hook_pattern = HookPoint()  # [B, H, T, S] softmax of the scores (only when probed)
         self.hook_z = HookPoint()  # [B, T, H, V] per-head output before o_proj
 
@@ -164,6 +167,8 @@ class MultiHeadLatentAttention(nn.Module):
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         scores = self.hook_attn_scores(scores)
+        if self.hook_max_logit.active:
+            self.hook_max_logit(scores.detach().amax(dim=(-2, -1)))
         return self.hook_pattern(F.softmax(scores, dim=-1, dtype=torch.float32).to(dtype))
 
     def _naive(self, q_nope, q_pe, kv_latent, k_pe) -> torch.Tensor:
@@ -180,6 +185,12 @@ class MultiHeadLatentAttention(nn.Module):
         if self.hook_attn_scores.active or self.hook_pattern.active:
             pattern = self._probe_pattern(q @ k.transpose(-1, -2) * self.softmax_scale, mask, q.dtype)
             return (pattern @ v).transpose(1, 2)  # [B, T, H, V]
+        if self.hook_max_logit.active:  # the scores once more, without autograd, for their maximum only
+            with torch.no_grad():
+                scores = q @ k.transpose(-1, -2)  # [B, H, T, S] unscaled: the scale (> 0) goes on the max
+                if mask is not None:
+                    scores.masked_fill_(~mask, float("-inf"))
+                self.hook_max_logit(scores.amax(dim=(-2, -1)) * self.softmax_scale)
         # The CPU's fused SDPA kernels need equal q/k and v widths; zero-padding v costs less than the slow path.
         pad = q.shape[-1] - self.v_dim if q.device.type == "cpu" else 0
         out = F.scaled_dot_product_attention(

@@ -130,13 +130,13 @@ class StepProbes:
     def hooks(self, model: K2Model) -> list:
         num_experts = model.config.n_routed_experts
 
-        def record_max(scores, hook):  # [B, H, T, S] masked logits
-            self.max_logits.append(scores.detach().amax(dim=(0, 2, 3)))
+        def record_max(max_logit, hook):  # [B, H]
+            self.max_logits.append(max_logit.amax(dim=0))
 
         def record_load(idx, hook):  # [B, T, k]
             self.expert_counts.append(torch.bincount(idx.flatten(), minlength=num_experts))
 
-        return [(lambda n: n.endswith("self_attn.hook_attn_scores"), record_max),
+        return [(lambda n: n.endswith("self_attn.hook_max_logit"), record_max),
                 (lambda n: n.endswith("mlp.gate.hook_topk_idx"), record_load)]
 
 

@@ -16,7 +16,7 @@ SHAPES = {  # probe leaf -> expected shape, for B=2, T=7 and TINY (H=4 heads, k=
     "hook_attn_out": (2, 7, 256), "hook_mlp_out": (2, 7, 256), "hook_out": (2, 7, 256),
     "hook_q_latent": (2, 7, 96), "hook_kv_latent": (2, 7, 64), "hook_q_nope": (2, 7, 4, 32),
     "hook_q_pe": (2, 7, 4, 16), "hook_rot_q_pe": (2, 7, 4, 16), "hook_k_pe": (2, 7, 16), "hook_rot_k_pe": (2, 7, 16),
-    "hook_attn_scores": (2, 4, 7, 7), "hook_pattern": (2, 4, 7, 7), "hook_z": (2, 7, 4, 32),
+    "hook_attn_scores": (2, 4, 7, 7), "hook_max_logit": (2, 4), "hook_pattern": (2, 4, 7, 7), "hook_z": (2, 7, 4, 32),
     "hook_logits": (2, 7, 512), "gate.hook_logits": (2, 7, 16), "hook_scores": (2, 7, 16),
     "hook_choice_scores": (2, 7, 16), "hook_topk_idx": (2, 7, 4), "hook_topk_weights": (2, 7, 4),
     "hook_expert_out": (2, 7, 4, 256), "hook_routed_out": (2, 7, 256), "hook_shared_out": (2, 7, 256),
@@ -104,6 +104,19 @@ def test_pattern_is_a_causal_softmax(run):
     assert (pattern[..., above] == 0).all() and (pattern[..., ~above] > 0).all()
     assert scores[..., above].isneginf().all()
     assert torch.allclose(pattern, scores.softmax(-1), atol=1e-7)
+
+
+@pytest.mark.parametrize("attn_impl", ["naive", "absorbed"])
+def test_max_logit_is_each_heads_largest_visible_score(model, attn_impl):
+    """Probed alone, the naive path keeps its fused kernel and computes the maximum aside; either way it is the
+    largest entry of each row's and head's masked scores, as QK-Clip reads it."""
+    ids = _ids()
+    with torch.no_grad():
+        _, scores = model.run_with_cache(ids, names="hook_attn_scores", attn_impl=attn_impl)
+        _, alone = model.run_with_cache(ids, names="hook_max_logit", attn_impl=attn_impl)
+    for layer in range(TINY.num_hidden_layers):
+        want = scores[f"layers.{layer}.self_attn.hook_attn_scores"].amax(dim=(-2, -1))  # [B, H]
+        torch.testing.assert_close(alone[f"layers.{layer}.self_attn.hook_max_logit"], want, rtol=1e-5, atol=1e-6)
 
 
 # ---- router probes ---------------------------------------------------------------------------------------------------
