@@ -61,36 +61,40 @@ class MuonClip(torch.optim.Optimizer):
     norms), decoupled weight decay for both. QK-Clip is applied after the step by ``qk_clip``, because it
     needs the attention logits of the forward pass.
 
-    Param groups carry ``use_muon``; ``MuonClip.for_model(model, lr, weight_decay)`` builds them. ``ns_dtype``
-    is the dtype Newton-Schulz iterates in (None: bfloat16 where matmuls are native in it, else float32).
+    Param groups carry ``use_muon`` and ``lr_scale`` (a group steps with ``lr * lr_scale``, so one schedule sets
+    every group's ``lr``); ``MuonClip.for_model(model, lr, weight_decay)`` builds them. ``ns_dtype`` is the dtype
+    Newton-Schulz iterates in (None: bfloat16 where matmuls are native in it, else float32).
     """
 
     def __init__(self, params, lr: float = 2e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, ns_dtype: torch.dtype | None = None):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, betas=betas, eps=eps, use_muon=False,
-                        ns_dtype=ns_dtype)
+                        ns_dtype=ns_dtype, lr_scale=1.0)
         super().__init__(params, defaults)
 
     @classmethod
-    def for_model(cls, model: K2Model, lr: float, weight_decay: float = 0.1, **options) -> MuonClip:
-        muon, adam = [], []
+    def for_model(cls, model: K2Model, lr: float, weight_decay: float = 0.1, embed_lr_scale: float = 1.0,
+                  head_lr_scale: float = 1.0, **options) -> MuonClip:
+        """Muon for the hidden matrices; AdamW for the embedding (at ``embed_lr_scale * lr``), the head (at
+        ``head_lr_scale * lr``) and the norms (undecayed)."""
+        muon, norms = [], []
         for name, p in model.named_parameters():
-            hidden_matrix = p.dim() >= 2 and not name.startswith(("embed_tokens", "lm_head"))
-            (muon if hidden_matrix else adam).append(p)
-        # Norm weights get no decay (decaying them towards zero would fight the normalisation).
-        decayed_adam = [p for p in adam if p.dim() >= 2]
-        other = [p for p in adam if p.dim() < 2]
+            if name.startswith(("embed_tokens", "lm_head")):
+                continue
+            (muon if p.dim() >= 2 else norms).append(p)
         groups = [
             {"params": muon, "use_muon": True},
-            {"params": decayed_adam, "use_muon": False},
-            {"params": other, "use_muon": False, "weight_decay": 0.0},
+            {"params": [model.embed_tokens.weight], "lr_scale": embed_lr_scale},
+            {"params": [model.lm_head.weight], "lr_scale": head_lr_scale},
+            # Norm weights get no decay (decaying them towards zero would fight the normalisation).
+            {"params": norms, "weight_decay": 0.0},
         ]
         return cls(groups, lr=lr, weight_decay=weight_decay, **options)
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
+            lr, wd = group["lr"] * group["lr_scale"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue

@@ -117,3 +117,22 @@ def test_a_few_steps_lower_the_loss():
     assert max_logits.shape == gamma.shape == (CFG.num_hidden_layers, CFG.num_attention_heads)
     assert losses[-1] < losses[0] - 0.5
     assert len(probes.expert_counts) == 1 and int(probes.expert_counts[0].sum()) == 4 * 32 * 2
+
+
+def test_embedding_and_head_step_at_their_own_learning_rate_scale():
+    """AdamW's first step moves every weight with a gradient by lr * lr_scale (m_hat / sqrt(v_hat) = +-1)."""
+    batch = torch.randint(0, CFG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    moved = {}
+    for scales in [(1.0, 1.0), (10.0, 0.5)]:
+        model = K2Model(CFG)
+        model.init_weights(seed=0)
+        opt = MuonClip.for_model(model, lr=1e-3, weight_decay=0.0, embed_lr_scale=scales[0], head_lr_scale=scales[1])
+        before = [p.detach().clone() for p in (model.embed_tokens.weight, model.lm_head.weight,
+                                               model.layers[0].self_attn.o_proj.weight)]
+        recipe_step(model, opt, batch, qk_clip_tau=1e9, bias_step=0.0)
+        after = (model.embed_tokens.weight, model.lm_head.weight, model.layers[0].self_attn.o_proj.weight)
+        moved[scales] = [(a - b).abs().max().item() for a, b in zip(after, before, strict=True)]
+    embed, head, hidden = (m / m1 for m, m1 in zip(moved[(10.0, 0.5)], moved[(1.0, 1.0)], strict=True))
+    assert embed == pytest.approx(10.0, rel=1e-3) and head == pytest.approx(0.5, rel=1e-3)
+    assert hidden == pytest.approx(1.0, rel=1e-3)  # Muon's matrices keep lr
+    assert moved[(1.0, 1.0)][0] == pytest.approx(1e-3, rel=1e-3)
