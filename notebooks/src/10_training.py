@@ -62,7 +62,9 @@ viz.lines_figure(steps, {"learning rate": {"lr": [s["lr"] for s in log["steps"]]
 #
 # Attention logits can grow without bound when a query and a key weight grow together; a few runaway heads can
 # destabilise training. After each step, QK-Clip looks at each head's largest pre-softmax logit S_max (read from
-# the `hook_attn_scores` probe during the forward). If S_max > τ, with γ = τ / S_max it scales that head's
+# the `hook_max_logit` probe during the forward: the maximum of the masked `hook_attn_scores`, which the probe
+# computes beside the fused attention kernel, so training never materialises a softmax). If S_max > τ, with
+# γ = τ / S_max it scales that head's
 #
 # * content query and key weights (W_UQ^nope, W_UK rows) by √γ, so q_nope · k_nope shrinks by γ;
 # * rotary query weights by γ (the rotary key is shared by all heads, so it is left alone), so q_pe · k_pe
@@ -100,8 +102,8 @@ batch = torch.tensor(text).view(4, 65)  # [B, T+1]: inputs and shifted targets
 
 def head_max(m) -> torch.Tensor:
     """[L, H] each head's largest pre-softmax logit on the batch."""
-    _, c = m.run_with_cache(batch[:, :-1], names="hook_attn_scores")
-    return c.stack("hook_attn_scores").amax(dim=(1, 3, 4))
+    _, c = m.run_with_cache(batch[:, :-1], names="hook_max_logit")
+    return c.stack("hook_max_logit").amax(dim=1)  # [L, B, H] -> over the batch
 
 
 clipped_model = copy.deepcopy(model)
