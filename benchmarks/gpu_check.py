@@ -30,14 +30,14 @@ from torch import nn
 
 import k2lab
 from k2lab import K2Config
-from k2lab.accounting import layer_tensors, tensor_bytes
-from k2lab.attention import LatentCache
-from k2lab.checkpoint_writer import write_checkpoint
-from k2lab.fp8 import EXPERT_PROJS, FP8Linear, FP8RoutedExperts, quantize
-from k2lab.model import DecoderLayer
-from k2lab.moe import RoutedExperts, Router
-from k2lab.norm import RMSNorm
-from k2lab.rope import RotaryEmbedding
+from k2lab.analysis.accounting import layer_tensors, tensor_bytes
+from k2lab.model.attention import LatentCache
+from k2lab.model.moe import RoutedExperts, Router
+from k2lab.model.norm import RMSNorm
+from k2lab.model.rope import RotaryEmbedding
+from k2lab.model.transformer import DecoderLayer
+from k2lab.weights.quant.fp8 import EXPERT_PROJS, FP8Linear, FP8RoutedExperts, quantize
+from k2lab.weights.writer import write_checkpoint
 
 GB = 1e9
 

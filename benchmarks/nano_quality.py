@@ -11,9 +11,10 @@ import json
 import torch
 
 import k2lab
-from k2lab import corpus, routing
-from k2lab.nano import NANO_DIR
-from k2lab.train import bits_per_byte, token_stream, unigram_bits_per_byte
+from k2lab import routing
+from k2lab.lab.nano import NANO_DIR
+from k2lab.training import corpus
+from k2lab.training.train import bits_per_byte, token_stream, unigram_bits_per_byte
 
 PROMPTS = ["def __init__(self", "import ", "for i in range(", "class Parser:\n    def "]
 

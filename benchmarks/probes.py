@@ -28,7 +28,7 @@ import types
 import torch
 
 from k2lab import K2Config, K2Model
-from k2lab.probes import HookPoint
+from k2lab.model.hooks import HookPoint
 
 from .timing import alternate
 

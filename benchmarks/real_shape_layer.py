@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import k2lab
-from k2lab.checkpoint import INDEX_FILE
+from k2lab.weights.reader import INDEX_FILE
 
 from .write_real_shape_layer import DEFAULT_FOLDER, write
 

@@ -17,8 +17,9 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
 from benchmarks.timing import alternate
-from k2lab import corpus
-from k2lab.tokenizer import KIMI_PATTERN, NANO_TOKENIZER_DIR, RANKS_FILE, load_tokenizer
+from k2lab.lab import NANO_DIR
+from k2lab.tokenizer.tokenizer import KIMI_PATTERN, RANKS_FILE, load_tokenizer
+from k2lab.training import corpus
 
 
 def main() -> None:
@@ -27,8 +28,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    tok = load_tokenizer(NANO_TOKENIZER_DIR)
-    ranks = load_tiktoken_bpe(str(NANO_TOKENIZER_DIR / RANKS_FILE))
+    tok = load_tokenizer(NANO_DIR)
+    ranks = load_tiktoken_bpe(str(NANO_DIR / RANKS_FILE))
     reference = tiktoken.Encoding(
         "nano", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=tok.special_tokens
     )

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from k2lab import K2Config, K2Model, count_parameters
-from k2lab.optim import MuonClip, native_bfloat16
-from k2lab.train import TrainConfig, next_token_loss, recipe_step
+from k2lab.training.optim import MuonClip, native_bfloat16
+from k2lab.training.train import TrainConfig, next_token_loss, recipe_step
 
 from .timing import alternate
 

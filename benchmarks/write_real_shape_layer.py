@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from k2lab import K2Config
-from k2lab.accounting import TensorSpec, weight_bytes
-from k2lab.checkpoint import INDEX_FILE
-from k2lab.checkpoint_writer import write_checkpoint
-from k2lab.fp8 import FP8, FP8_MAX, scale_shape
+from k2lab.analysis.accounting import TensorSpec, weight_bytes
+from k2lab.weights.quant.fp8 import FP8, FP8_MAX, scale_shape
+from k2lab.weights.reader import INDEX_FILE
+from k2lab.weights.writer import write_checkpoint
 
 CONFIG = K2Config.kimi_k2().replace(num_hidden_layers=1, first_k_dense_replace=0)
 DEFAULT_FOLDER = Path(tempfile.gettempdir()) / "k2lab-real-shape-layer"

@@ -26,18 +26,17 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
-from k2lab import corpus
-from k2lab.tokenizer import (
+from k2lab.lab import NANO_DIR
+from k2lab.tokenizer.ranks import bytes_to_unicode, rank_bpe
+from k2lab.tokenizer.tokenizer import (
     CONFIG_FILE,
     KIMI_PATTERN,
-    NANO_TOKENIZER_DIR,
     NUM_RESERVED_SPECIAL_TOKENS,
     RANKS_FILE,
-    bytes_to_unicode,
     kimi_pre_tokenizer,
     load_tokenizer,
-    rank_bpe,
 )
+from k2lab.training import corpus
 
 VOCAB_SIZE = 8192
 NUM_RANKS = VOCAB_SIZE - NUM_RESERVED_SPECIAL_TOKENS  # 7,936
@@ -149,7 +148,7 @@ def check_parity(trained: Tokenizer, out: Path) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=NANO_TOKENIZER_DIR)
+    parser.add_argument("--out", type=Path, default=NANO_DIR)
     args = parser.parse_args()
     start = time.perf_counter()
     trained = train_bpe()

@@ -21,7 +21,7 @@ from hf_oracle import hf_config, hf_model
 from safetensors.torch import load_file, save_file
 
 from k2lab import K2Config
-from k2lab.checkpoint_writer import write_checkpoint
+from k2lab.weights.writer import write_checkpoint
 
 # Dimensions chosen so no matrix is a whole number of blocks, with non-square blocks so a transposed scale grid
 # cannot pass: kv_a_proj_with_mqa has 40 + 16 = 56 rows = 32 + 24 (a partial row block), width 200 = 4*48 + 8.

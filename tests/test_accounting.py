@@ -8,7 +8,7 @@ import torch
 
 import k2lab
 from k2lab import K2Config
-from k2lab.accounting import attention_parameters, block_parameters
+from k2lab.analysis.accounting import attention_parameters, block_parameters
 
 K2 = K2Config.kimi_k2()
 GIB = 2**30

@@ -21,8 +21,8 @@ from release_layout import (
 from safetensors.torch import load_file, save_file
 
 import k2lab
-from k2lab.checkpoint import INDEX_FILE, Checkpoint, CheckpointError
-from k2lab.checkpoint_writer import write_checkpoint
+from k2lab.weights.reader import INDEX_FILE, Checkpoint, CheckpointError
+from k2lab.weights.writer import write_checkpoint
 
 
 @pytest.fixture(scope="module")

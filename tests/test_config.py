@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from k2lab import K2Config, K2Model
-from k2lab.rope import cos_sin_scale, inverse_frequencies, yarn_correction_range, yarn_ramp
+from k2lab.model.rope import cos_sin_scale, inverse_frequencies, yarn_correction_range, yarn_ramp
 
 RELEASED = Path(__file__).parent / "data" / "kimi_k2_instruct_config.json"
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from k2lab import corpus
+from k2lab.training import corpus
 
 
 def names(split, kind=None, test_suite=False):

@@ -19,7 +19,7 @@ from release_layout import (
 
 import k2lab
 from k2lab import K2Config
-from k2lab.fp8 import FP8, FP8Linear, FP8RoutedExperts, dequantize, quantize, scale_shape, to_float32
+from k2lab.weights.quant.fp8 import FP8, FP8Linear, FP8RoutedExperts, dequantize, quantize, scale_shape, to_float32
 
 
 def _blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

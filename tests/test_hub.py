@@ -17,9 +17,9 @@ from release_layout import (
 )
 
 import k2lab
-from k2lab import hub
-from k2lab.checkpoint import INDEX_FILE, CheckpointError
-from k2lab.loader import slice_layers
+from k2lab.weights import hub
+from k2lab.weights.load import slice_layers
+from k2lab.weights.reader import INDEX_FILE, CheckpointError
 
 REPO, REVISION = "moonshotai/Tiny-K2", "0123456789abcdef0123456789abcdef01234567"
 

@@ -7,8 +7,8 @@ import torch
 from hf_oracle import hf_model, randomize, relative_error, save_and_load
 
 from k2lab import K2Config, K2Model
-from k2lab.interventions import ablate_experts, edit_bias, force_route, patch
-from k2lab.routing import allowed_experts
+from k2lab.analysis.interventions import ablate_experts, edit_bias, force_route, patch
+from k2lab.analysis.routing import allowed_experts
 
 TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
 GROUPED = TINY.replace(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4)

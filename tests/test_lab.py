@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k2lab import lab
-from k2lab.nano import NANO_DIR
+from k2lab.lab.nano import NANO_DIR
 
 needs_nano = pytest.mark.skipif(not (NANO_DIR / "config.json").is_file(), reason="no K2-nano checkpoint in assets/nano")
 

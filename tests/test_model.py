@@ -88,7 +88,7 @@ def test_sampling_is_reproducible_and_respects_top_k(model):
     a = k2lab.generate(model, ids, 6, temperature=1.0, top_k=3, seed=7)
     b = k2lab.generate(model, ids, 6, temperature=1.0, top_k=3, seed=7)
     assert torch.equal(a, b)
-    from k2lab.generate import sample_next
+    from k2lab.model.generate import sample_next
 
     logits = torch.tensor([[0.0, 5.0, 4.0, -1.0, 3.0]])
     draws = {sample_next(logits, 1.0, top_k=2, generator=torch.Generator().manual_seed(s)).item() for s in range(50)}

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import k2lab
-from k2lab.nano import NANO_DIR
-from k2lab.train import bits_per_byte, token_stream, unigram_bits_per_byte
+from k2lab.lab.nano import NANO_DIR
+from k2lab.training.train import bits_per_byte, token_stream, unigram_bits_per_byte
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ from release_layout import (
 
 import k2lab
 from k2lab import K2Config
-from k2lab.accounting import weight_bytes
-from k2lab.attention import LatentCache
-from k2lab.placement import DEFAULT_HEADROOM_BYTES, placement_units, resolve_device_map, unit_bytes, unit_of
+from k2lab.analysis.accounting import weight_bytes
+from k2lab.model.attention import LatentCache
+from k2lab.weights.placement import DEFAULT_HEADROOM_BYTES, placement_units, resolve_device_map, unit_bytes, unit_of
 
 K2 = K2Config.kimi_k2()
 H200 = 141 * 10**9
@@ -100,7 +100,7 @@ def test_load_with_an_explicit_map_and_per_layer_cache(tmp_path_factory):
 
 def test_units_mapped_to_meta_are_not_read(tmp_path_factory, monkeypatch):
     """A pipeline stage loads its own blocks only: the others go to the meta device, shapes without data."""
-    from k2lab.checkpoint import Checkpoint
+    from k2lab.weights.reader import Checkpoint
 
     read, original = [], Checkpoint.read
     monkeypatch.setattr(Checkpoint, "read", lambda self, info, device="cpu": (

@@ -8,7 +8,7 @@ import torch
 from hf_oracle import hf_model, randomize, relative_error, save_and_load
 
 from k2lab import K2Config, K2Model
-from k2lab.moe import MoE
+from k2lab.model.moe import MoE
 
 TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
 SHAPES = {  # probe leaf -> expected shape, for B=2, T=7 and TINY (H=4 heads, k=4 of E=16 experts)

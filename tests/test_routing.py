@@ -7,8 +7,8 @@ import torch
 from hf_oracle import randomize
 
 from k2lab import K2Config, K2Model
-from k2lab.interventions import edit_bias, force_route
-from k2lab.routing import RoutingTrace, select_experts, trace
+from k2lab.analysis.interventions import edit_bias, force_route
+from k2lab.analysis.routing import RoutingTrace, select_experts, trace
 
 TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
 GROUPED = TINY.replace(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4)

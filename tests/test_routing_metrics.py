@@ -10,7 +10,7 @@ from hf_oracle import randomize
 
 from k2lab import K2Config, K2Model
 from k2lab import routing as R
-from k2lab.interventions import edit_bias
+from k2lab.analysis.interventions import edit_bias
 
 
 def _trace(indices: list, num_experts: int, scores: torch.Tensor | None = None) -> R.RoutingTrace:

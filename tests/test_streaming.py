@@ -15,8 +15,8 @@ from release_layout import (
 )
 
 import k2lab
-from k2lab.fp8 import scale_shape
-from k2lab.streaming import ExpertCache, StreamedExperts
+from k2lab.weights.quant.fp8 import scale_shape
+from k2lab.weights.streaming import ExpertCache, StreamedExperts
 
 E, D, I = TINY_FP8.n_routed_experts, TINY_FP8.hidden_size, TINY_FP8.moe_intermediate_size
 EXPERT_FLOAT32_BYTES = 3 * I * D * 4

@@ -15,17 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiktoken.load import load_tiktoken_bpe
 
-import k2lab.tokenizer as tokenizer_module
-from k2lab.chat import render_chat
-from k2lab.corpus import documents
-from k2lab.tokenizer import (
-    KIMI_PATTERN,
-    NANO_TOKENIZER_DIR,
-    TokenizerFileError,
-    load_tokenizer,
-    recover_merges,
-    special_tokens_from_config,
-)
+import k2lab.tokenizer.tokenizer as tokenizer_module
+from k2lab.lab import NANO_DIR
+from k2lab.tokenizer.chat import render_chat
+from k2lab.tokenizer.ranks import TokenizerFileError, recover_merges
+from k2lab.tokenizer.tokenizer import KIMI_PATTERN, load_tokenizer, special_tokens_from_config
+from k2lab.training.corpus import documents
 
 SAMPLES = [
     "",
@@ -55,12 +50,12 @@ def tiktoken_encoding(path: Path, tok) -> tiktoken.Encoding:
 
 @pytest.fixture(scope="module")
 def nano():
-    return load_tokenizer(NANO_TOKENIZER_DIR)
+    return load_tokenizer(NANO_DIR)
 
 
 @pytest.fixture(scope="module")
 def nano_ref(nano):
-    return tiktoken_encoding(NANO_TOKENIZER_DIR, nano)
+    return tiktoken_encoding(NANO_DIR, nano)
 
 
 def train_tiny_ranks(text: str, num_merges: int) -> dict[bytes, int]:
@@ -198,7 +193,7 @@ def test_special_tokens_under_both_policies(nano, nano_ref):
     plain = nano.encode(text, allow_special=False)
     assert plain == nano_ref.encode_ordinary(text) and max(plain) < 7936
     assert nano.decode(allowed) == nano.decode(plain) == text
-    untrusted = load_tokenizer(NANO_TOKENIZER_DIR, allow_special=False)
+    untrusted = load_tokenizer(NANO_DIR, allow_special=False)
     assert untrusted.encode(text) == plain and untrusted.encode(text, allow_special=True) == allowed
     assert nano.backend.encode("<|im_end|>").ids == [7938]
 
@@ -312,7 +307,7 @@ def test_loads_a_repo_id_from_the_hub_cache_offline(tmp_path, nano):
     snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
     for name in ("tiktoken.model", "tokenizer_config.json"):
-        shutil.copy(NANO_TOKENIZER_DIR / name, snapshot / name)
+        shutil.copy(NANO_DIR / name, snapshot / name)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     # huggingface_hub reads these at import, so the load runs in a fresh interpreter. The endpoint is a
@@ -343,7 +338,7 @@ def test_loads_a_repo_id_from_the_hub_cache_offline(tmp_path, nano):
 
 def copy_nano(tmp_path: Path) -> Path:
     path = tmp_path / "tok"
-    shutil.copytree(NANO_TOKENIZER_DIR, path)
+    shutil.copytree(NANO_DIR, path)
     return path
 
 

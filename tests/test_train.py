@@ -1,4 +1,4 @@
-"""The training command's overrides (``python -m k2lab.train --set key=value ...``) and its compiled step."""
+"""The training command's overrides (``python -m k2lab.training --set key=value ...``) and its compiled step."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from k2lab import K2Config, K2Model
-from k2lab.optim import MuonClip
-from k2lab.train import StepProbes, TrainConfig, next_token_loss, recipe_step, train_config_from
+from k2lab.training.optim import MuonClip
+from k2lab.training.train import StepProbes, TrainConfig, next_token_loss, recipe_step, train_config_from
 
 
 def test_overrides_take_each_fields_type():

@@ -13,7 +13,7 @@ import torch
 from hf_oracle import randomize
 
 from k2lab import K2Config, K2Model, routing, viz
-from k2lab.rope import inverse_frequencies, yarn_ramp
+from k2lab.model.rope import inverse_frequencies, yarn_ramp
 from k2lab.tokenizer import Token
 
 TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
@@ -193,9 +193,10 @@ def test_routing_and_attention_explorers(model, ids, trace):
 
 
 def test_token_explorer_counts_tokens():
-    from k2lab.tokenizer import NANO_TOKENIZER_DIR, load_tokenizer
+    from k2lab.lab import NANO_DIR
+    from k2lab.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(NANO_TOKENIZER_DIR)
+    tok = load_tokenizer(NANO_DIR)
     ex = viz.widgets.token_explorer(tok, "x = 1")
     assert f"{len(tok.encode('x = 1'))} tokens" in ex.figure
     ex.controls["text"].value = "hi<|im_end|>"

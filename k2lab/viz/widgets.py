@@ -16,9 +16,9 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 import torch
 
+from ..analysis.routing import RoutingTrace
 from ..config import K2Config
-from ..rope import inverse_frequencies, yarn_ramp
-from ..routing import RoutingTrace
+from ..model.rope import inverse_frequencies, yarn_ramp
 from ..tokenizer import K2Tokenizer
 from .attention import pattern_figure
 from .rope import yarn_figure

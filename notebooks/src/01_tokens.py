@@ -120,7 +120,7 @@ for name, i in named.items():
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from k2lab.chat import render_chat
+from k2lab.tokenizer.chat import render_chat
 
 messages = [{"role": "user", "content": "What does len([1, 2]) return?"}]
 print(render_chat(messages))

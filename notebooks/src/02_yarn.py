@@ -16,7 +16,9 @@
 # %%
 import math
 
-from k2lab import K2Config, lab, rope
+from k2lab import K2Config, lab
+
+from k2lab.model import rope
 
 lab.setup_notebook()
 k2 = K2Config.kimi_k2()

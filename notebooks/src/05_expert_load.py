@@ -33,7 +33,9 @@ print(about)
 # NBVAL_CHECK_OUTPUT
 import torch
 
-from k2lab import corpus, routing
+from k2lab import routing
+
+from k2lab.training import corpus
 
 ROWS, LENGTH = 16, 128
 

@@ -23,7 +23,7 @@ print(about)
 import torch
 
 from k2lab import routing, viz
-from k2lab.interventions import ablate_experts, edit_bias, force_route, patch
+from k2lab.analysis.interventions import ablate_experts, edit_bias, force_route, patch
 
 prompt = "for key, value in sorted(table.items()):\n    print(key,"
 ids = torch.tensor([tok.encode(prompt)])  # [B=1, T]
@@ -108,7 +108,7 @@ print(f"change in log p: {delta:+.3f}")
 # bias, then with every bias set to zero, and compare the load balance (MaxVio, 0 = perfectly even):
 
 # %%
-from k2lab import corpus
+from k2lab.training import corpus
 
 code = tok.encode(corpus.corpus_text("heldout", "code"), allow_special=False)[: 8 * 128]
 batch = torch.tensor(code).view(8, 128)  # [B, T]

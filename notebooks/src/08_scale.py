@@ -10,7 +10,7 @@ import torch
 
 import k2lab
 from k2lab import K2Config, lab, viz
-from k2lab.accounting import attention_parameters, block_parameters
+from k2lab.analysis.accounting import attention_parameters, block_parameters
 
 lab.setup_notebook()
 k2 = K2Config.kimi_k2()
@@ -81,7 +81,7 @@ print(k2lab.plan(k2, devices=[141 * 10**9] * 8))
 # On a CPU the loader dequantizes FP8 to bfloat16 once, so the resident part is planned in bfloat16:
 
 # %% tags=["nbval-ignore-output"]
-from k2lab.loader import slice_layers
+from k2lab.weights.load import slice_layers
 
 budget = 4 * GiB
 print(k2lab.plan(k2, devices=[torch.device("cpu")], fp8=False, expert_budget_bytes=budget))
@@ -105,8 +105,8 @@ import math
 import tempfile
 from pathlib import Path
 
-from k2lab.checkpoint_writer import write_checkpoint
-from k2lab.fp8 import FP8, FP8_MAX, scale_shape
+from k2lab.weights.writer import write_checkpoint
+from k2lab.weights.quant.fp8 import FP8, FP8_MAX, scale_shape
 
 sliced = k2.replace(num_hidden_layers=1, first_k_dense_replace=0, n_routed_experts=16, vocab_size=8192,
                     bos_token_id=None, eos_token_id=None)

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # 10 · How K2-nano was trained
 #
-# K2-nano was trained with Kimi K2's recipe, scaled down (`python -m k2lab.train --preset nano`; the recipe's
+# K2-nano was trained with Kimi K2's recipe, scaled down (`python -m k2lab.training --preset nano`; the recipe's
 # pieces are small functions in `k2lab.optim`):
 #
 # * **MuonClip**: the Muon optimizer for every hidden matrix (AdamW for the embedding, the head and the norms),
@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from k2lab import lab
-from k2lab.nano import NANO_DIR
+from k2lab.lab.nano import NANO_DIR
 
 lab.setup_notebook()
 settings = lab.LabSettings.from_env()
@@ -93,8 +93,8 @@ viz.qk_clip_figure(steps[::every], max_logits[::every], run["qk_clip_tau"])
 # NBVAL_CHECK_OUTPUT
 import copy
 
-from k2lab import corpus
-from k2lab.optim import qk_clip
+from k2lab.training import corpus
+from k2lab.training.optim import qk_clip
 
 text = tok.encode(corpus.corpus_text("heldout", "prose"), allow_special=False)[: 4 * 65]
 batch = torch.tensor(text).view(4, 65)  # [B, T+1]: inputs and shifted targets
@@ -172,7 +172,7 @@ viz.expert_time_figure(steps[::every], routing.relative_load(counts[::every, j])
 # %%
 import torch.nn.functional as F
 
-from k2lab.optim import muon_update, newton_schulz
+from k2lab.training.optim import muon_update, newton_schulz
 
 weight = model.layers[1].self_attn.q_b_proj.weight  # [H * (N + R), q_lora_rank]
 with torch.enable_grad():

@@ -1,0 +1,216 @@
+"""Multi-head latent attention (MLA), naive and absorbed, and the latent KV cache.
+
+Shapes: B batch, T new positions, S all key positions (cache + new), H heads, D model width,
+C = kv_lora_rank (512), R = qk_rope_head_dim (64), N = qk_nope_head_dim (128), V = v_head_dim (128).
+
+Every token writes only two things to the cache: the normalised key-value latent c_KV [C] and ONE rotated
+rotary key k_pe [R] shared by all heads: 576 values per token per layer for K2.
+
+- naive: expand c_KV through kv_b_proj into per-head keys [N] and values [V] for the whole context, then
+  ordinary attention over 192-wide keys (what HF transformers does, also at every decode step).
+- absorbed: fold W_UK (kv_b_proj's key rows) into the query and W_UV (its value rows) into the output, so
+  attention runs directly over the cached latents, as one multi-query attention with 576-wide keys and
+  512-wide values. Nothing is expanded; decode reads the cache once.
+Both give the same scores, pattern and per-head output z (hook_z) to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import K2Config
+from .hooks import HookPoint
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+AttnImpl = Literal["naive", "absorbed"]
+
+
+class LatentCache:
+    """The latent KV cache: per layer, [B, S, C + R] = c_KV (512) then rotated k_pe (64) for every token.
+
+    Passed to the model's forward (state is explicit). Storage grows by doubling, so appending a decode step
+    writes 576 values per layer instead of copying the context.
+    """
+
+    def __init__(self, cfg: K2Config, batch_size: int, dtype: torch.dtype,
+                 device: torch.device | str | Sequence[torch.device | str], num_layers: int | None = None):
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        self.batch_size = batch_size
+        num_layers = num_layers if num_layers is not None else cfg.num_hidden_layers
+        # One device for all layers, or one per layer when a device_map spreads the blocks.
+        devices = [device] * num_layers if isinstance(device, (str, torch.device)) else list(device)
+        self.dtype, self.device = dtype, torch.device(devices[0])
+        self.max_positions = cfg.max_position_embeddings
+        self.length = 0  # positions already cached; new tokens continue from here
+        self._buffers: list[torch.Tensor] = [
+            torch.empty(batch_size, 0, self.width, dtype=dtype, device=d) for d in devices
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the latents held for the cached positions (what a decode step must read)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return len(self._buffers) * self.batch_size * self.length * self.width * itemsize
+
+    def update(self, layer: int, kv_latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' latents [B, T, C] and rotated keys [B, T, R] after the cached ones; return all
+        positions' latents [B, S, C] and keys [B, S, R] (views, no copy)."""
+        buf = self._buffers[layer]
+        start, end = self.length, self.length + kv_latent.shape[1]
+        if end > buf.shape[1]:  # grow by doubling
+            grown = torch.empty(self.batch_size, max(end, 2 * buf.shape[1]), self.width,
+                                dtype=self.dtype, device=buf.device)
+            grown[:, :start] = buf[:, :start]
+            self._buffers[layer] = buf = grown
+        buf[:, start:end, : self.kv_lora_rank] = kv_latent
+        buf[:, start:end, self.kv_lora_rank :] = k_pe
+        return buf[:, :end, : self.kv_lora_rank], buf[:, :end, self.kv_lora_rank :]
+
+    def latents(self, layer: int) -> torch.Tensor:
+        """The cached [B, length, C + R] entries of one layer."""
+        return self._buffers[layer][:, : self.length]
+
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on (to re-decode, branch or time a step repeatedly)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop length {length} must lie in 0..{self.length}")
+        self.length = length
+
+    def advance(self, num_tokens: int) -> None:
+        """Called by the model once every layer has written ``num_tokens`` new positions."""
+        self.length += num_tokens
+
+    def __repr__(self) -> str:
+        return (f"LatentCache(batch={self.batch_size}, length={self.length}, layers={len(self._buffers)}, "
+                f"{self.width} values/token/layer, {self.nbytes:,} bytes)")
+
+
+def causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
+    """[T, S] True where query t (at position S - T + t) may see key s."""
+    offset = num_keys - num_queries
+    q_pos = torch.arange(num_queries, device=device)[:, None] + offset
+    return torch.arange(num_keys, device=device)[None, :] <= q_pos
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA as released. Module and parameter names mirror the checkpoint (``self_attn.q_a_proj`` ...)."""
+
+    def __init__(self, cfg: K2Config):
+        super().__init__()
+        self.num_heads, self.nope_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.v_dim, self.kv_lora_rank = cfg.v_head_dim, cfg.kv_lora_rank
+        self.softmax_scale = cfg.softmax_scale
+        qk_dim, H = cfg.qk_head_dim, cfg.num_attention_heads
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(cfg.hidden_size, H * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * qk_dim, bias=False)
+            self.hook_q_latent = HookPoint()  # [B, T, q_lora_rank] c_Q after its norm (only with a q latent)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, cfg.hidden_size, bias=False)
+
+        self.hook_kv_latent = HookPoint()  # [B, T, C] c_KV after its norm: what the cache stores
+        self.hook_q_nope = HookPoint()  # [B, T, H, N]
+        self.hook_q_pe = HookPoint()  # [B, T, H, R] before rotation
+        self.hook_rot_q_pe = HookPoint()  # [B, T, H, R] rotated
+        self.hook_k_pe = HookPoint()  # [B, T, R] the one shared rotary key, before rotation
+        self.hook_rot_k_pe = HookPoint()  # [B, T, R] rotated: what the cache stores
+        self.hook_attn_scores = HookPoint()  # [B, H, T, S] scaled, masked pre-softmax logits (only when probed)
+        # [B, H] each head's largest scaled logit over the positions it may see, detached: what QK-Clip watches.
+        # Computed only when probed, without leaving the fused kernel (replacing it changes nothing downstream).
+        self.hook_max_logit = HookPoint()
+        self.hook_pattern = HookPoint()  # [B, H, T, S] softmax of the scores (only when probed)
+        self.hook_z = HookPoint()  # [B, T, H, V] per-head output before o_proj
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LatentCache | None = None, layer: int = 0, attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
+        B, T, _ = x.shape
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)  # [B, T, H*(N+R)]
+        else:
+            q = self.q_b_proj(self.hook_q_latent(self.q_a_layernorm(self.q_a_proj(x))))
+        q = q.view(B, T, self.num_heads, self.nope_dim + self.rope_dim)  # [B, T, H, N+R]
+        q_nope = self.hook_q_nope(q[..., : self.nope_dim])  # [B, T, H, N]
+        q_pe = self.hook_q_pe(q[..., self.nope_dim :])  # [B, T, H, R]
+        q_pe = self.hook_rot_q_pe(rope.rotate(q_pe, cos[:, None], sin[:, None]))
+
+        kv_a = self.kv_a_proj_with_mqa(x)  # [B, T, C + R]
+        kv_latent = self.hook_kv_latent(self.kv_a_layernorm(kv_a[..., : self.kv_lora_rank]))  # [B, T, C]
+        k_pe = self.hook_k_pe(kv_a[..., self.kv_lora_rank :])  # [B, T, R]
+        k_pe = self.hook_rot_k_pe(rope.rotate(k_pe, cos, sin))
+        if cache is not None:
+            kv_latent, k_pe = cache.update(layer, kv_latent, k_pe)  # [B, S, C], [B, S, R]
+
+        if attn_impl == "naive":
+            z = self._naive(q_nope, q_pe, kv_latent, k_pe)
+        elif attn_impl == "absorbed":
+            z = self._absorbed(q_nope, q_pe, kv_latent, k_pe)
+        else:
+            raise ValueError(f"attn_impl must be 'naive' or 'absorbed', got {attn_impl!r}")
+        z = self.hook_z(z)  # [B, T, H, V]
+        return self.o_proj(z.flatten(2))  # [B, T, D]
+
+    def _probe_pattern(self, scores: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Scaled scores [B, H, T, S] -> masked scores and softmax pattern, both through their probes."""
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        scores = self.hook_attn_scores(scores)
+        if self.hook_max_logit.active:
+            self.hook_max_logit(scores.detach().amax(dim=(-2, -1)))
+        return self.hook_pattern(F.softmax(scores, dim=-1, dtype=torch.float32).to(dtype))
+
+    def _naive(self, q_nope, q_pe, kv_latent, k_pe) -> torch.Tensor:
+        """Expand the latents to per-head keys and values for all S positions, then plain attention."""
+        B, T, H, _ = q_nope.shape
+        S = kv_latent.shape[1]
+        kv = self.kv_b_proj(kv_latent).view(B, S, H, self.nope_dim + self.v_dim)  # [B, S, H, N+V]
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1).transpose(1, 2)  # [B, H, T, N+R]
+        k_pe = k_pe[:, :, None].expand(B, S, H, self.rope_dim)  # the one rotary key, seen by every head
+        k = torch.cat((k_nope, k_pe), dim=-1).transpose(1, 2)  # [B, H, S, N+R]
+        v = v.transpose(1, 2)  # [B, H, S, V]
+        mask = causal_mask(T, S, q.device) if T > 1 else None
+        if self.hook_attn_scores.active or self.hook_pattern.active:
+            pattern = self._probe_pattern(q @ k.transpose(-1, -2) * self.softmax_scale, mask, q.dtype)
+            return (pattern @ v).transpose(1, 2)  # [B, T, H, V]
+        if self.hook_max_logit.active:  # the scores once more, without autograd, for their maximum only
+            with torch.no_grad():
+                scores = q @ k.transpose(-1, -2)  # [B, H, T, S] unscaled: the scale (> 0) goes on the max
+                if mask is not None:
+                    scores.masked_fill_(~mask, float("-inf"))
+                self.hook_max_logit(scores.amax(dim=(-2, -1)) * self.softmax_scale)
+        # The CPU's fused SDPA kernels need equal q/k and v widths; zero-padding v costs less than the slow path.
+        pad = q.shape[-1] - self.v_dim if q.device.type == "cpu" else 0
+        out = F.scaled_dot_product_attention(
+            q, k, F.pad(v, (0, pad)) if pad > 0 else v, scale=self.softmax_scale,
+            attn_mask=None if T == S else mask, is_causal=T == S and T > 1,
+        )
+        return out[..., : self.v_dim].transpose(1, 2)  # [B, T, H, V]
+
+    def _absorbed(self, q_nope, q_pe, kv_latent, k_pe) -> torch.Tensor:
+        """Attention over the latents: q_nope through W_UK into latent space; the output through W_UV."""
+        B, T, H, _ = q_nope.shape
+        S = kv_latent.shape[1]
+        w_kv_b = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)  # [H, N+V, C]
+        w_uk, w_uv = w_kv_b[:, : self.nope_dim], w_kv_b[:, self.nope_dim :]  # [H, N, C], [H, V, C]
+        q_latent = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, H, T, C]
+        # One multi-query attention: all H*T query rows share the same S latent keys.
+        scores = (q_latent.reshape(B, H * T, -1) @ kv_latent.transpose(1, 2)
+                  + q_pe.transpose(1, 2).reshape(B, H * T, -1) @ k_pe.transpose(1, 2))  # [B, H*T, S]
+        scores = scores.view(B, H, T, S) * self.softmax_scale
+        mask = causal_mask(T, S, q_nope.device) if T > 1 else None
+        pattern = self._probe_pattern(scores, mask, q_nope.dtype)  # [B, H, T, S]
+        out_latent = (pattern.view(B, H * T, S) @ kv_latent).view(B, H, T, -1)  # [B, H, T, C]
+        return torch.einsum("bhtc,hvc->bthv", out_latent, w_uv)  # [B, T, H, V]

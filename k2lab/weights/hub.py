@@ -1,0 +1,74 @@
+"""Fetching a checkpoint from the Hugging Face Hub: only the files a load needs.
+
+K2's release is about 1 TB in 61 shards. A slice (``num_layers=4``) needs a handful of them, so we first fetch
+config.json and the shard index (small), work out which shards hold the slice's tensors, and hand exactly those
+names to ``snapshot_download`` as ``allow_patterns``, with the tokenizer files. Everything goes through the
+standard cache (``HF_HUB_CACHE`` / ``HF_HOME``): a second load reads the cached copy, and with
+``HF_HUB_OFFLINE=1`` nothing is requested and the cache alone is used.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from huggingface_hub import hf_hub_download, snapshot_download
+from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+from tqdm.auto import tqdm
+
+from ..analysis.accounting import checkpoint_tensors
+from ..config import K2Config
+from .reader import INDEX_FILE, SCALE_SUFFIX, SINGLE_FILE, CheckpointError, read_weight_map
+
+# Small files fetched with any slice: what k2lab.load_tokenizer reads (K2 ships a tiktoken rank file) and the
+# generation defaults. The repository's Python files are never fetched: k2lab runs no remote code.
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def is_repo_id(name: str) -> bool:
+    """``moonshotai/Kimi-K2-Instruct`` is; ``./ckpt``, ``/data/k2`` and ``a/b/c`` are not."""
+    return bool(_REPO_ID.fullmatch(name)) and not name.startswith(".")
+
+
+def fetch_file(repo_id: str, filename: str, revision: str | None = None) -> Path | None:
+    """One file of a repo through the cache; None when the repo (at that revision) has no such file."""
+    try:
+        return Path(hf_hub_download(repo_id, filename, revision=revision))
+    except LocalEntryNotFoundError:
+        raise  # offline and not cached: whether the repo has the file is unknown, so say so
+    except EntryNotFoundError:  # the Hub answered: no such file
+        return None
+
+
+def allow_patterns(cfg: K2Config, weight_map: Mapping[str, str] | None, source: str = INDEX_FILE) -> list[str]:
+    """The files a load of ``cfg`` (already sliced to its blocks) needs: config, index, tokenizer files and the
+    shards holding its tensors and their FP8 scales. ``weight_map`` None: a single-file checkpoint."""
+    patterns = ["config.json", *TOKENIZER_FILES]
+    if weight_map is None:
+        return patterns + [SINGLE_FILE]
+    shards = set()
+    for spec in checkpoint_tensors(cfg):
+        for name in (spec.name, spec.name + SCALE_SUFFIX):
+            if name in weight_map:
+                shards.add(weight_map[name])
+            elif name == spec.name:
+                raise CheckpointError(f"tensor {name} is not in {source}")
+    return patterns + [INDEX_FILE, *sorted(shards)]
+
+
+def download(repo_id: str, cfg: K2Config, revision: str | None = None, progress: bool | None = None) -> Path:
+    """The local snapshot folder holding what a load of ``cfg`` needs from ``repo_id``; fetched if not cached.
+    ``progress=False`` silences the download bars (default: huggingface_hub's own setting)."""
+    index = fetch_file(repo_id, INDEX_FILE, revision)
+    weight_map = read_weight_map(index) if index is not None else None
+    patterns = allow_patterns(cfg, weight_map, f"{repo_id}/{INDEX_FILE}")
+    quiet = {"tqdm_class": _Silent} if progress is False else {}
+    return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, **quiet))
+
+
+class _Silent(tqdm):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "disable": True})

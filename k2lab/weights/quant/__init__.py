@@ -1,0 +1,1 @@
+"""Stored weight formats: one module per format."""
