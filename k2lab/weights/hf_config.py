@@ -1,0 +1,185 @@
+"""config.json <-> K2Config: Kimi's release layout, HF transformers 5 (``rope_parameters``) and DeepseekV3 configs.
+
+Anything k2lab does not implement (another scoring function, MTP layers, an unknown quantization, ...) is
+refused by name rather than approximated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from ..config import K2Config
+
+# Keys of a HF config that describe the file, the training run or HF runtime switches, not the computation
+# k2lab performs. They are read and dropped. Everything not listed here or handled below is refused.
+_IGNORED_KEYS = frozenset(
+    {
+        "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype", "use_cache",
+        "initializer_range", "pretraining_tp", "aux_loss_alpha", "seq_aux", "output_router_logits",
+        "pad_token_id", "attention_dropout", "ep_size", "head_dim", "qk_head_dim", "moe_layer_freq",
+        "_name_or_path", "model_type", "quantization_config", "rope_scaling", "rope_parameters", "rope_theta",
+        "num_nextn_predict_layers", "num_mtp_layers", "scoring_func", "topk_method", "hidden_act",
+        "attention_bias", "tie_word_embeddings", "num_key_value_heads", "eos_token_id", "bos_token_id",
+        "output_attentions", "output_hidden_states", "return_dict", "chunk_size_feed_forward",
+        "is_encoder_decoder", "tokenizer_class", "name_or_path", "id2label", "label2id", "problem_type",
+        "rope_interleave", "max_window_layers", "use_sliding_window", "sliding_window",
+    }
+)
+_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
+
+
+def config_from_hf(source: str | Path | dict) -> K2Config:
+    """Read a HF ``config.json`` (a path to the file or its folder, or the parsed dict).
+
+    Accepts Kimi's release (``model_type: kimi_k2``, ``rope_scaling``, FP8 ``quantization_config``), HF 5
+    (``rope_parameters``) and DeepseekV3 configs. Raises ValueError naming any key or value k2lab does not
+    implement (another scoring function, MTP layers, an unknown quantization, ...).
+    """
+    if isinstance(source, dict):
+        raw, where = dict(source), "config"
+    else:
+        path = Path(source)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from err
+        where = str(path)
+    return K2Config(**_fields_from_hf(raw, where))
+
+
+def config_to_hf(cfg: K2Config) -> dict[str, Any]:
+    """This config as a HF DeepseekV3 ``config.json`` dict (HF 5 style, ``rope_parameters``)."""
+    out: dict[str, Any] = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if f.name not in {"rope_type", "rope_factor", "original_max_position_embeddings", "beta_fast",
+                          "beta_slow", "mscale", "mscale_all_dim", "rope_theta", "fp8_block_size"}
+    }
+    rope: dict[str, Any] = {"rope_type": cfg.rope_type or "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_type == "yarn":
+        rope.update(
+            factor=cfg.rope_factor, original_max_position_embeddings=cfg.original_max_position_embeddings,
+            beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow, mscale=cfg.mscale,
+            mscale_all_dim=cfg.mscale_all_dim,
+        )
+    out.update(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_act="silu",
+        num_key_value_heads=cfg.num_attention_heads, attention_bias=False, tie_word_embeddings=False,
+        scoring_func="sigmoid", topk_method="noaux_tc", num_nextn_predict_layers=0, rope_parameters=rope,
+    )
+    if cfg.fp8_block_size is not None:
+        out["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(cfg.fp8_block_size),
+        }
+    return out
+
+
+def _require(raw: dict, key: str, allowed: tuple, where: str, default: Any = None) -> None:
+    value = raw.get(key, default)
+    if value not in allowed:
+        raise ValueError(f"{where}: {key}={value!r} is not implemented by k2lab (supported: {list(allowed)})")
+
+
+def _fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
+    """Translate and check a HF config dict into K2Config keyword arguments."""
+    _require(raw, "model_type", _MODEL_TYPES, where, default="deepseek_v3")
+    _require(raw, "hidden_act", ("silu",), where, default="silu")
+    _require(raw, "scoring_func", ("sigmoid",), where, default="sigmoid")
+    _require(raw, "topk_method", ("noaux_tc",), where, default="noaux_tc")
+    _require(raw, "attention_bias", (False,), where, default=False)
+    _require(raw, "tie_word_embeddings", (False,), where, default=False)
+    _require(raw, "moe_layer_freq", (1,), where, default=1)
+    for mtp_key in ("num_nextn_predict_layers", "num_mtp_layers"):
+        if raw.get(mtp_key, 0):
+            raise ValueError(
+                f"{where}: {mtp_key}={raw[mtp_key]} asks for multi-token-prediction layers, which k2lab does not "
+                "implement; set it to 0 to use the main model alone"
+            )
+    heads = raw.get("num_attention_heads")
+    if raw.get("num_key_value_heads", heads) != heads:
+        raise ValueError(
+            f"{where}: num_key_value_heads={raw['num_key_value_heads']} differs from num_attention_heads={heads}; "
+            "MLA expands every head from the shared latent"
+        )
+
+    names = {f.name for f in dataclasses.fields(K2Config)}
+    unknown = sorted(k for k in raw if k not in names and k not in _IGNORED_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: k2lab does not implement the config key(s) {unknown}")
+
+    fields = {k: v for k, v in raw.items() if k in names and k not in {"rope_type", "fp8_block_size"}}
+    for key in ("bos_token_id", "eos_token_id"):
+        if isinstance(fields.get(key), list):  # HF allows several eos ids; K2 has one
+            ids = fields[key]
+            if len(ids) != 1:
+                raise ValueError(f"{where}: {key}={ids}: k2lab supports a single id")
+            fields[key] = ids[0]
+    fields.setdefault("bos_token_id", None)
+    fields.setdefault("eos_token_id", None)
+    fields.setdefault("q_lora_rank", None)
+    fields.setdefault("rope_interleave", True)
+    fields.setdefault("n_group", 1)
+    fields.setdefault("topk_group", 1)
+    fields.update(_rope_from_hf(raw, where))
+    fields["fp8_block_size"] = _quantization_from_hf(raw.get("quantization_config"), where)
+    if "n_shared_experts" in raw and raw["n_shared_experts"] is None:
+        fields["n_shared_experts"] = 0
+    for key in ("n_group", "topk_group"):
+        if fields[key] is None:
+            fields[key] = 1
+    return fields
+
+
+def _rope_from_hf(raw: dict, where: str) -> dict[str, Any]:
+    """RoPE settings from ``rope_parameters`` (HF 5) or ``rope_scaling`` + ``rope_theta`` (the release)."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", raw.get("rope_theta", 10_000.0))
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind in ("default", None):
+        extra = set(merged) - {"rope_theta", "rope_type", "type"}
+        if extra:
+            raise ValueError(f"{where}: plain RoPE with scaling keys {sorted(extra)} is ambiguous")
+        return {"rope_type": None, "rope_theta": float(theta), "rope_factor": 1.0}
+    if kind != "yarn":
+        raise ValueError(f"{where}: rope type {kind!r} is not implemented by k2lab (supported: default, yarn)")
+    known = {"rope_theta", "rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim"}
+    extra = sorted(set(merged) - known)
+    if extra:
+        raise ValueError(f"{where}: YaRN key(s) {extra} are not implemented by k2lab")
+    if "factor" not in merged or "original_max_position_embeddings" not in merged:
+        raise ValueError(f"{where}: YaRN needs 'factor' and 'original_max_position_embeddings'")
+    return {
+        "rope_type": "yarn",
+        "rope_theta": float(theta),
+        "rope_factor": float(merged["factor"]),
+        "original_max_position_embeddings": int(merged["original_max_position_embeddings"]),
+        # The released YaRN class defaults: beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 0.
+        "beta_fast": float(merged.get("beta_fast", 32.0)),
+        "beta_slow": float(merged.get("beta_slow", 1.0)),
+        "mscale": float(merged.get("mscale", 1.0)),
+        "mscale_all_dim": float(merged.get("mscale_all_dim", 0.0)),
+    }
+
+
+def _quantization_from_hf(quant: dict | None, where: str) -> tuple[int, int] | None:
+    """The FP8 block size of a checkpoint, or None for unquantized weights; anything else is refused."""
+    if not quant:
+        return None
+    method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
+    block = quant.get("weight_block_size")
+    if method != "fp8" or fmt != "e4m3" or not block or len(block) != 2:
+        raise ValueError(
+            f"{where}: quantization_config {quant} is not implemented by k2lab "
+            "(supported: quant_method 'fp8', fmt 'e4m3', a 2-d weight_block_size)"
+        )
+    return int(block[0]), int(block[1])
