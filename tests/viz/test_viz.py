@@ -10,26 +10,18 @@ import numpy as np
 import plotly.graph_objects as go
 import pytest
 import torch
-from hf_oracle import randomize
+from tiny import TINY, token_ids
 
 from k2lab import K2Config, K2Model, routing, viz
 from k2lab.model.rope import inverse_frequencies, yarn_ramp
 from k2lab.tokenizer import Token
 
-TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
 TOKENS = [f"t{i}" for i in range(7)]
 
 
 @pytest.fixture(scope="module")
-def model() -> K2Model:
-    m = K2Model(TINY).eval()
-    randomize(m, 0)  # random, non-zero correction bias
-    return m
-
-
-@pytest.fixture(scope="module")
 def ids() -> torch.Tensor:
-    return torch.randint(0, TINY.vocab_size, (1, len(TOKENS)), generator=torch.Generator().manual_seed(0))
+    return token_ids(TINY, batch=1, length=len(TOKENS))  # one row, unlike conftest's [2, 7]
 
 
 @pytest.fixture(scope="module")
