@@ -35,6 +35,7 @@ def _loss_grads_probes(model, batch, loss_fn):
     return loss.detach(), grads, probes
 
 
+@pytest.mark.slow  # compiles a whole training step (the longest test in the suite)
 def test_a_compiled_step_matches_the_eager_step():
     """The run trains through torch.compile(next_token_loss). From the same weights it gives the eager loss,
     gradients and probes (traced into the graph), and batches with other routing run without recompiling."""
