@@ -124,10 +124,6 @@ class K2Config:
         """Query/key width per head: content (nope) plus rotary part, 128 + 64 = 192 for K2."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    @property
-    def num_moe_layers(self) -> int:
-        return self.num_hidden_layers - self.first_k_dense_replace
-
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 

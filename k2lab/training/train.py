@@ -28,7 +28,6 @@ import torch
 from ..config import K2Config
 from ..lab.nano import NANO_DIR, save_checkpoint
 from ..model.loss import head_cross_entropy
-from ..model.moe import MoE
 from ..model.transformer import K2Model
 from ..tokenizer.tokenizer import K2Tokenizer, load_tokenizer
 from . import corpus
@@ -222,10 +221,6 @@ def train(cfg: K2Config, tc: TrainConfig, tokenizer: K2Tokenizer, log_every: int
     log["unigram_heldout_code_bpb"] = round(unigram_bits_per_byte(train_tokens, tokenizer, heldout_code,
                                                                   tc.seq_len), 4)
     return model, log
-
-
-def bias_state(model: K2Model) -> list[list[float]]:
-    return [layer.mlp.gate.e_score_correction_bias.tolist() for layer in model.layers if isinstance(layer.mlp, MoE)]
 
 
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
