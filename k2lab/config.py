@@ -161,8 +161,8 @@ class K2Config:
         tokenizer's 8,192 ids ([BOS] 7936, [EOS] 7937), with every matrix sized from ``width``: dense MLP
         3 * width, experts width / 2, q latent 3 * width / 8, kv latent width / 4 (256 gives 768, 128, 96, 64).
 
-        The bundled model is 128 wide, the width that an hour on two CPU cores trains best: at equal time, 128
-        beat 192 and 256 on held-out code (README)."""
+        The bundled model is 128 wide: at equal training time, 128 beat 192 and 256 on held-out code
+        (docs/experiments.md)."""
         if width % 8:
             raise ValueError(f"nano width must be a multiple of 8, got {width}")
         return cls.mini().replace(
