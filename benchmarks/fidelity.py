@@ -1,5 +1,5 @@
 """Worst relative logit error of k2lab against HF transformers' DeepseekV3 (float32, eager), both attention
-paths and the latent-cache decode, over the eight configs of tests/test_fidelity.py (which asserts < 1e-4).
+paths and the latent-cache decode, over the eight configs of tests/model/test_fidelity.py (which asserts < 1e-4).
 
     python -m benchmarks.fidelity
 """
