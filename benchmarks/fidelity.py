@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path[:0] = [str(TESTS), str(TESTS / "model")]  # the helper modules, and test_fidelity beside its folder
+sys.path[:0] = [str(TESTS), str(TESTS / "model")]  # tests/: the helper modules; tests/model/: test_fidelity
 from hf_oracle import hf_model, relative_error, save_and_load  # noqa: E402
 from test_fidelity import CONFIGS  # noqa: E402  (the tests' configs, one source of truth)
 
