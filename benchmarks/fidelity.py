@@ -1,5 +1,5 @@
 """Worst relative logit error of k2lab against HF transformers' DeepseekV3 (float32, eager), both attention
-paths and the latent-cache decode, over the eight configs of tests/test_fidelity.py (which asserts < 1e-4).
+paths and the latent-cache decode, over the eight configs of tests/model/test_fidelity.py (which asserts < 1e-4).
 
     python -m benchmarks.fidelity
 """
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "model")]  # tests/: the helper modules; tests/model/: test_fidelity
 from hf_oracle import hf_model, relative_error, save_and_load  # noqa: E402
 from test_fidelity import CONFIGS  # noqa: E402  (the tests' configs, one source of truth)
 

@@ -2,12 +2,12 @@
 
     python -m benchmarks.train_step [--widths 128 192 256] [--rounds 5] [--threads 2]
 
-A step is ``k2lab.train.recipe_step``, what the bundled run repeats: a forward of 16 x 256 tokens with the
+A step is ``k2lab.training.train.recipe_step``, what the bundled run repeats: a forward of 16 x 256 tokens with the
 recipe's probes attached, the backward, MuonClip's update, QK-Clip and the bias update. The widths are
 ``K2Config.nano(width)``, stepped eagerly as the run steps them. Beside the bundled width, each contender undoes
 one choice of the run:
 
-- the head's loss through the whole [4096, 8192] logits tensor and ``F.cross_entropy``, not ``k2lab.loss``'s
+- the head's loss through the whole [4096, 8192] logits tensor and ``F.cross_entropy``, not ``k2lab.model.loss``'s
   chunks;
 - attention through explicit scores and softmax (``hook_attn_scores`` probed), not the fused kernel plus the
   ``hook_max_logit`` probe;

@@ -106,10 +106,6 @@ class K2Config:
         """Query/key width per head: content (nope) plus rotary part, 128 + 64 = 192 for K2."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    @property
-    def num_moe_layers(self) -> int:
-        return self.num_hidden_layers - self.first_k_dense_replace
-
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
@@ -147,8 +143,8 @@ class K2Config:
         tokenizer's 8,192 ids ([BOS] 7936, [EOS] 7937), with every matrix sized from ``width``: dense MLP
         3 * width, experts width / 2, q latent 3 * width / 8, kv latent width / 4 (256 gives 768, 128, 96, 64).
 
-        The bundled model is 128 wide, the width that an hour on two CPU cores trains best: at equal time, 128
-        beat 192 and 256 on held-out code (README)."""
+        The bundled model is 128 wide: at equal training time, 128 beat 192 and 256 on held-out code
+        (docs/experiments.md)."""
         if width % 8:
             raise ValueError(f"nano width must be a multiple of 8, got {width}")
         return cls.mini().replace(

@@ -1,6 +1,6 @@
-"""Train the nano tokenizer and write it to assets/nano/ in K2's release layout.
+"""Train the nano tokenizer and write it to k2lab/lab/assets/nano/ in K2's release layout.
 
-    python scripts/train_nano_tokenizer.py [--out assets/nano]
+    python scripts/train_nano_tokenizer.py [--out k2lab/lab/assets/nano]
 
 8,192 ids like a miniature K2: 7,936 BPE ranks (the 256 single bytes, then 7,680 merges) followed by
 256 special ids named as in K2's tokenizer_config.json. The BPE is trained by `tokenizers` on the

@@ -19,6 +19,7 @@ import pytest
 import torch
 from hf_oracle import hf_config, hf_model
 from safetensors.torch import load_file, save_file
+from tiny import token_ids  # noqa: F401  (the loader tests take it from here)
 
 from k2lab import K2Config
 from k2lab.weights.writer import write_checkpoint
@@ -117,6 +118,3 @@ def copy_release(folder: Path, to: Path) -> Path:
     """A copy to damage in one test without touching the shared one."""
     return Path(shutil.copytree(folder, to))
 
-
-def token_ids(cfg: K2Config, batch: int = 2, length: int = 17, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))

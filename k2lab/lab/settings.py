@@ -109,7 +109,7 @@ def load_model(settings: LabSettings | None = None, *, fallback_to_nano: bool = 
                ) -> tuple[K2Model, K2Tokenizer, str]:
     """(model in eval mode, its tokenizer, a one-line description) for ``settings`` (default: from the environment).
 
-    K2-nano loads in float32 from ``assets/nano`` (what ``k2lab.nano.load_nano()`` does). Anything else goes through
+    K2-nano loads in float32 from ``lab/assets/nano`` (what ``k2lab.load_nano()`` does). Anything else goes through
     ``k2lab.load`` with the settings' slice, expert budget and device map, and its tokenizer from the same place.
     With ``fallback_to_nano`` a model that cannot be loaded (no weights here, no GPU, not enough memory) is replaced
     by K2-nano, and the description says why: for notebooks that must run everywhere.

@@ -17,11 +17,13 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ..analysis.cache import ActivationCache
+if TYPE_CHECKING:  # the model package imports no analysis at import time (data flows model -> analysis)
+    from ..analysis.cache import ActivationCache
 
 HookFn = Callable[[torch.Tensor, "HookPoint"], torch.Tensor | None]
 NameFilter = str | Iterable[str] | Callable[[str], bool] | None  # see HookedModule.select_hook_names
@@ -141,6 +143,8 @@ class HookedModule(nn.Module):
 
         with self.hooks(fwd_hooks=[(name, record) for name in self.select_hook_names(names)]):
             logits = self(input_ids, **forward_kwargs)
+        from ..analysis.cache import ActivationCache  # the cache type is analysis; imported on first use
+
         return logits, ActivationCache(store, self)
 
     def reset_hooks(self) -> None:

@@ -12,7 +12,7 @@ chunk's logits, its loss and its gradient while the chunk is in cache:
 
 The gradients are made in the forward (as Liger's fused linear cross-entropy does) and only scaled by the
 incoming gradient in the backward; without autograd (evaluation) only the loss is computed. The result equals
-``F.cross_entropy(h @ W.T, y)`` to float32 rounding (tests/test_loss.py).
+``F.cross_entropy(h @ W.T, y)`` to float32 rounding (tests/model/test_loss.py).
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ class K2Model(HookedModule):
     def last_hidden_state(self, input_ids: torch.Tensor, cache: LatentCache | None = None,
                           attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
         """The forward up to the head: the final normalised residual [B, T, D] (``norm.hook_out``), which the
-        head turns into logits. Training feeds it to the head chunk by chunk (``k2lab.loss``)."""
+        head turns into logits. Training feeds it to the head chunk by chunk (``k2lab.model.loss``)."""
         ids = self._check_input(input_ids, cache)
         B, T = ids.shape
         start = cache.length if cache is not None else 0

@@ -297,7 +297,7 @@ class K2Tokenizer:
         add_generation_prompt: bool = True,
         allow_special: bool | None = None,
     ) -> list[int]:
-        """Token ids of a conversation in Kimi-K2-Instruct's chat format (see k2lab.chat).
+        """Token ids of a conversation in Kimi-K2-Instruct's chat format (see k2lab.tokenizer.chat).
 
         The template's own markers always become control tokens. Text inside the messages follows the
         special-token policy: with allow_special=True (the release's behaviour) the result equals

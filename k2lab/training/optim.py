@@ -20,8 +20,8 @@ _NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 def native_bfloat16(device: torch.device | str) -> bool:
     """Whether matmuls on ``device`` run natively in bfloat16: CUDA GPUs from Ampere on, and CPUs that oneDNN has
-    bfloat16 kernels for (AVX-512 or AMX). An AVX2-only CPU emulates them: a bfloat16 matmul there ran 50-100x
-    slower than float32 (AMD EPYC, torch 2.13)."""
+    bfloat16 kernels for (AVX-512 or AMX). An AVX2-only CPU emulates them, many times slower than float32
+    (docs/experiments.md)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()

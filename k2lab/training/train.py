@@ -1,9 +1,9 @@
 """Train K2-nano with K2's own recipe on the offline standard-library corpus.
 
-    python -m k2lab.training --preset nano            # the bundled run: seeded, < 60 min on 2 cores
+    python -m k2lab.training --preset nano            # the bundled run, seeded (its time: docs/experiments.md)
     python -m k2lab.training --width 192 --set steps=290 warmup=15 --out runs/w192   # a trial beside it
 
-The recipe (k2lab.optim): MuonClip for hidden matrices (AdamW for embedding, head and norms), QK-Clip after
+The recipe (k2lab.training.optim): MuonClip for hidden matrices (AdamW for embedding, head and norms), QK-Clip after
 every step from the logits the probes saw, aux-loss-free balancing of the router's correction bias, and a
 warmup-stable-decay schedule. Every step logs its loss, each head's max logit (QK-Clip activity) and each MoE
 layer's expert load, written as JSON beside the checkpoint for the training notebook.
@@ -28,7 +28,6 @@ import torch
 from ..config import K2Config
 from ..lab.nano import NANO_DIR, save_checkpoint
 from ..model.loss import head_cross_entropy
-from ..model.moe import MoE
 from ..model.transformer import K2Model
 from ..tokenizer.tokenizer import K2Tokenizer, load_tokenizer
 from . import corpus
@@ -39,38 +38,37 @@ from .optim import MuonClip, balance_router_bias, qk_clip, wsd_lr
 class TrainConfig:
     """Everything a run depends on; written into the log so a run can be repeated from it."""
 
-    # 2,600 steps of about 1.2 s (2 threads, an AVX2-only 2-core EPYC): 54.8 minutes with the evaluations.
+    # The bundled run's length: one whole WSD schedule (its time and held-out curve: docs/experiments.md).
     steps: int = 2600
-    batch_size: int = 16  # at equal tokens, 8 rows for twice the steps: 1.852 against 1.817, in 1.19x the time
+    batch_size: int = 16  # at equal tokens, 16 rows beat 8 rows for twice the steps, in less time
     seq_len: int = 256
-    # At 400 steps 5e-3 gave 1.798 against 1.817 (2.5e-3: 1.843; 2e-2 was worse). The whole run at 5e-3 led by
-    # 0.03-0.06 until step 1,800 and ended level: 1.422 against 1.423. The decay takes up the difference.
+    # 5e-3 leads in short trials and for most of a whole run, but the two end level: the decay takes up the
+    # difference (2.5e-3 and 2e-2 do worse; the trials are in docs/experiments.md).
     lr: float = 1e-2
     # The embedding's and the head's AdamW steps, relative to lr. An embedding row learns only from the tokens
-    # that use it, in a short run from a few hundred occurrences: at 400 steps 10x gave held-out code 1.836
-    # against 1.857 at 1x (30x: 1.851), with lr 1e-2; with lr 5e-3, 20x gave 1.805 against 1.798 for 10x. The head
-    # at 0.3x changed nothing (1.839).
+    # that use it, in a short run from a few hundred occurrences, so its steps are larger (10x beat 1x and 30x); a
+    # smaller head step changed nothing (trials: docs/experiments.md).
     embed_lr_scale: float = 10.0
     head_lr_scale: float = 1.0
-    weight_decay: float = 0.1  # 0.3 at 400 steps: 1.846 against 1.817
+    weight_decay: float = 0.1  # 0.3 did worse in a short trial
     warmup: int = 130
-    decay_fraction: float = 0.5  # at 400 steps: 1.850 against 1.857 for 0.3
+    decay_fraction: float = 0.5  # half the schedule decays: better than 0.3 in a short trial
     qk_clip_tau: float = 30.0  # K2 uses 100 at its scale; a small, short run peaks lower
     # The bias step u follows the schedule's decay down to 0, as DeepSeek-V3 stops its bias updates at the end:
     # routing settles while the learning rate anneals. 5e-3 made the bias override the router's own choice
-    # for most tokens; 1e-3 left one expert per layer with most tokens for minutes.
+    # for most tokens; 1e-3 left one expert per layer with most tokens for much of a short run.
     bias_step: float = 2e-3
     # The library alone (2.1 M tokens) is memorised within two epochs; its test suite adds 4.5 M tokens of
     # another style of code. This share of each batch's rows comes from the tests, the rest from the library
-    # (at 400 steps 0.25 gave 1.857 against 1.880 for 0.5).
+    # (0.25 beat 0.5 in a short trial).
     test_suite_share: float = 0.25
     seed: int = 0
     eval_every: int = 600
-    threads: int | None = 2  # both cores; the run needs the machine to itself
+    threads: int | None = 2  # the bundled run's threads; more threads than free cores slow every step
     # torch.compile the loss (forward, head and cross-entropy) and so its backward: inductor fuses the element-wise
-    # ops between the matmuls. Needs a C++ compiler, and compiling (about 50 s) counts in the run's time. Off: since
-    # the head's loss runs in chunks and attention stays fused, a compiled step took 0.96-1.13x an eager one
-    # (benchmarks.train_step). true/false (or 1/0) on the command line.
+    # ops between the matmuls. Needs a C++ compiler, and compiling counts in the run's time. Off: since the head's
+    # loss runs in chunks and attention stays fused, little is left to fuse (benchmarks.train_step measures it).
+    # true/false (or 1/0) on the command line.
     compile: bool = False
 
 
@@ -100,7 +98,7 @@ def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, gen: torch
 
 def next_token_loss(model: K2Model, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy in nats of each next token ("mean" or "sum" over them): batch [B, T+1] ids, inputs
-    batch[:, :-1], targets batch[:, 1:]. The head runs chunk by chunk (``k2lab.loss``), so the batch's logits
+    batch[:, :-1], targets batch[:, 1:]. The head runs chunk by chunk (``k2lab.model.loss``), so the batch's logits
     are never whole and ``hook_logits`` does not fire."""
     hidden = model.last_hidden_state(batch[:, :-1], attn_impl="naive")  # [B, T, D]
     return head_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch[:, 1:].flatten(), reduction)
@@ -222,10 +220,6 @@ def train(cfg: K2Config, tc: TrainConfig, tokenizer: K2Tokenizer, log_every: int
     log["unigram_heldout_code_bpb"] = round(unigram_bits_per_byte(train_tokens, tokenizer, heldout_code,
                                                                   tc.seq_len), 4)
     return model, log
-
-
-def bias_state(model: K2Model) -> list[list[float]]:
-    return [layer.mlp.gate.e_score_correction_bias.tolist() for layer in model.layers if isinstance(layer.mlp, MoE)]
 
 
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}

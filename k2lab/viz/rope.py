@@ -21,7 +21,7 @@ def yarn_figure(base_inv_freq: torch.Tensor, scaled_inv_freq: torch.Tensor, ramp
     - YaRN's ramp gamma_i: 0 keeps theta_i, 1 divides it by the factor s:
       theta'_i = theta_i ((1 - gamma_i) + gamma_i / s).
 
-    ``base_inv_freq``, ``scaled_inv_freq``, ``ramp``: [R/2] (``k2lab.rope.inverse_frequencies`` and ``yarn_ramp``).
+    ``base_inv_freq``, ``scaled_inv_freq``, ``ramp``: [R/2] (from ``k2lab.model.rope``: inverse_frequencies, yarn_ramp).
     """
     pairs = list(range(len(base_inv_freq)))
     base, scaled = 2 * math.pi / array(base_inv_freq), 2 * math.pi / array(scaled_inv_freq)

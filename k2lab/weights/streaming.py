@@ -25,9 +25,9 @@ from .quant.fp8 import dequantize
 # (layer, expert) -> (the tensors to cache, bytes read from the files for them)
 Fetch = Callable[[int, int], tuple[tuple[torch.Tensor, ...], int]]
 # glibc keeps freed blocks below its mmap threshold (raised up to 32 MiB as big blocks are freed) in the heap for
-# reuse. Each miss frees its read buffers and dequantization temporaries there, and each eviction an expert; on the
-# real-shape layer the process grew ~1 GiB beyond budget + resident weights. malloc_trim(0) after a miss hands every
-# whole free page back, cheaply next to the miss itself (~0.3 s on that layer's CPU run).
+# reuse. Each miss frees its read buffers and dequantization temporaries there, and each eviction an expert, so the
+# process grows beyond budget + resident weights (benchmarks.real_shape_layer shows it). malloc_trim(0) after a miss
+# hands every whole free page back, cheaply next to the miss itself.
 try:
     _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim
 except (AttributeError, OSError, TypeError):  # not glibc (macOS, Windows): nothing to trim this way

@@ -26,9 +26,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
-# The exact float32 value of each of the 256 e4m3 bytes. On the CPU torch casts e4m3 with scalar code (0.15 G
-# values/s measured on this project's 2-core machine); looking bytes up in this table gives the same numbers
-# twice as fast, which matters when experts are streamed and dequantized on every cache miss.
+# The exact float32 value of each of the 256 e4m3 bytes. On the CPU torch casts e4m3 with scalar code; looking
+# bytes up in this table gives the same numbers about twice as fast (docs/experiments.md), which matters when
+# experts are streamed and dequantized on every cache miss.
 _FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float().numpy()
 
 

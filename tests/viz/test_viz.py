@@ -3,44 +3,29 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import numpy as np
 import plotly.graph_objects as go
 import pytest
 import torch
-from hf_oracle import randomize
+from tiny import TINY, token_ids
 
 from k2lab import K2Config, K2Model, routing, viz
 from k2lab.model.rope import inverse_frequencies, yarn_ramp
 from k2lab.tokenizer import Token
 
-TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
 TOKENS = [f"t{i}" for i in range(7)]
 
 
 @pytest.fixture(scope="module")
-def model() -> K2Model:
-    m = K2Model(TINY).eval()
-    randomize(m, 0)  # random, non-zero correction bias
-    return m
-
-
-@pytest.fixture(scope="module")
 def ids() -> torch.Tensor:
-    return torch.randint(0, TINY.vocab_size, (1, len(TOKENS)), generator=torch.Generator().manual_seed(0))
+    return token_ids(TINY, batch=1, length=len(TOKENS))  # one row, unlike conftest's [2, 7]
 
 
 @pytest.fixture(scope="module")
 def trace(model, ids) -> routing.RoutingTrace:
     with torch.no_grad():
         return routing.trace(model, ids)
-
-
-def test_import_k2lab_does_not_import_the_lab_dependencies():
-    code = "import sys, k2lab; print(any(m in sys.modules for m in ('k2lab.viz', 'plotly', 'ipywidgets')))"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
 def test_yarn_figure_shows_wavelengths_and_labels_lines_on_the_log_axis():

@@ -3,14 +3,15 @@ and the hooks context manager (replacement, cleanup, gradients). HF transformers
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from hf_oracle import hf_model, randomize, relative_error, save_and_load
+from hf_oracle import hf_model, relative_error, save_and_load
+from tiny import TINY, random_model, token_ids
 
-from k2lab import K2Config, K2Model
 from k2lab.model.moe import MoE
 
-TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
 SHAPES = {  # probe leaf -> expected shape, for B=2, T=7 and TINY (H=4 heads, k=4 of E=16 experts)
     "hook_resid_pre": (2, 7, 256), "hook_resid_mid": (2, 7, 256), "hook_resid_post": (2, 7, 256),
     "hook_attn_out": (2, 7, 256), "hook_mlp_out": (2, 7, 256), "hook_out": (2, 7, 256),
@@ -23,19 +24,7 @@ SHAPES = {  # probe leaf -> expected shape, for B=2, T=7 and TINY (H=4 heads, k=
 }
 
 
-def _model(cfg: K2Config = TINY, seed: int = 0) -> K2Model:
-    model = K2Model(cfg).eval()
-    randomize(model, seed)  # non-unit norms and a random, non-zero correction bias
-    return model
-
-
-def _ids(cfg: K2Config = TINY, batch: int = 2, length: int = 7, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture(scope="module")
-def model() -> K2Model:
-    return _model()
+_ids = partial(token_ids, length=7)  # [2, 7] unless asked otherwise, as SHAPES assumes
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +43,7 @@ def hf_pair(tmp_path_factory):
 @pytest.mark.parametrize("cfg", [TINY, TINY.replace(q_lora_rank=None)], ids=["q_latent", "no_q_latent"])
 @pytest.mark.parametrize("attn_impl", ["naive", "absorbed"])
 def test_every_probe_fires_with_its_shape(cfg, attn_impl):
-    model = _model(cfg)
+    model = random_model(cfg)
     with torch.no_grad():
         _, cache = model.run_with_cache(_ids(cfg), attn_impl=attn_impl)
     assert sorted(cache) == sorted(model.hook_names())  # every listed probe fired

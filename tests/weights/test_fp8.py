@@ -122,7 +122,7 @@ def test_fp8_resident_load_equals_dequantized_load(tmp_path_factory):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
 def test_gpu_check_exits_cleanly_without_a_gpu():
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], cwd=root, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import TRAINABLE as CFG
 
-from k2lab import K2Config, K2Model
+from k2lab import K2Model
 from k2lab.training.optim import MuonClip, balance_router_bias, native_bfloat16, newton_schulz, qk_clip, wsd_lr
 from k2lab.training.train import StepProbes, recipe_step
-
-CFG = K2Config.mini().replace(vocab_size=256, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -6,15 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_oracle import hf_model, relative_error, save_and_load
+from tiny import GROUPED, TINY, token_ids
 
 import k2lab
-from k2lab import K2Config
-
-TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
 
 CONFIGS = {
     "k2_switches": TINY,
-    "grouped_routing": TINY.replace(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4),
+    "grouped_routing": GROUPED,
     "no_q_lora": TINY.replace(q_lora_rank=None),
     "three_dense_layers": TINY.replace(num_hidden_layers=5, first_k_dense_replace=3),
     "unnormalised_weights": TINY.replace(norm_topk_prob=False, routed_scaling_factor=1.0),
@@ -32,14 +30,10 @@ def pair(request, tmp_path_factory):
     return request.param, cfg, ref, ours
 
 
-def _ids(cfg: K2Config, batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("attn_impl", ["naive", "absorbed"])
 def test_logits_match_hf(pair, attn_impl):
     name, cfg, ref, ours = pair
-    ids = _ids(cfg, 2, 33)
+    ids = token_ids(cfg, 2, 33)
     with torch.no_grad():
         expected = ref(ids).logits
         got = ours(ids, attn_impl=attn_impl)
@@ -56,7 +50,7 @@ def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("probe_scores", [False, True], ids=["sdpa", "explicit_scores"])
 def test_gradients_match_hf(pair, probe_scores):
     name, cfg, ref, ours = pair
-    ids = _ids(cfg, 2, 33, seed=3)
+    ids = token_ids(cfg, 2, 33, seed=3)
     probes = [(lambda n: n.endswith("hook_attn_scores"), lambda scores, hook: scores)] if probe_scores else []
     try:
         _next_token_loss(ref(ids).logits, ids).backward()
@@ -78,7 +72,7 @@ def test_gradients_match_hf(pair, probe_scores):
 
 def test_latent_cache_decoding_matches_full_forward(pair):
     name, cfg, _, ours = pair
-    ids = _ids(cfg, 2, 20, seed=1)
+    ids = token_ids(cfg, 2, 20, seed=1)
     with torch.no_grad():
         full = ours(ids)
         for attn_impl in ("naive", "absorbed"):
@@ -91,7 +85,7 @@ def test_latent_cache_decoding_matches_full_forward(pair):
 
 def test_greedy_generate_matches_hf(pair):
     name, cfg, ref, ours = pair
-    ids = _ids(cfg, 1, 7, seed=2)
+    ids = token_ids(cfg, 1, 7, seed=2)
     with torch.no_grad():
         expected = ref.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     got = k2lab.generate(ours, ids, max_new_tokens=12)

@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-from hf_oracle import randomize
+from tiny import TINY, token_ids
 
-from k2lab import K2Config, K2Model
 from k2lab import routing as R
 from k2lab.analysis.interventions import edit_bias
 
@@ -95,11 +94,8 @@ def test_router_entropy():
 
 
 @torch.no_grad()
-def test_metrics_follow_the_router_choice_not_the_logits():
-    cfg = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
-    model = K2Model(cfg).eval()
-    randomize(model, 0)  # random, non-zero correction bias
-    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+def test_metrics_follow_the_router_choice_not_the_logits(model):  # TINY, random non-zero correction bias
+    ids = token_ids(TINY, 2, 9, seed=1)
     tr = R.trace(model, ids)
     _, cache = model.run_with_cache(ids, names="hook_topk_idx")
     for j, layer in enumerate(tr.layers):

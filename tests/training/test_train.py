@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import TRAINABLE
 
-from k2lab import K2Config, K2Model
+from k2lab import K2Model
 from k2lab.training.optim import MuonClip
 from k2lab.training.train import StepProbes, TrainConfig, next_token_loss, recipe_step, train_config_from
 
@@ -34,10 +35,11 @@ def _loss_grads_probes(model, batch, loss_fn):
     return loss.detach(), grads, probes
 
 
+@pytest.mark.slow  # compiles a whole training step (the longest test in the suite)
 def test_a_compiled_step_matches_the_eager_step():
     """The run trains through torch.compile(next_token_loss). From the same weights it gives the eager loss,
     gradients and probes (traced into the graph), and batches with other routing run without recompiling."""
-    cfg = K2Config.mini().replace(vocab_size=256, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2)
+    cfg = TRAINABLE
     model = K2Model(cfg)
     model.init_weights(std=0.1, seed=0)
     opt = MuonClip.for_model(model, lr=1e-2)

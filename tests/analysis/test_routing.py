@@ -2,37 +2,23 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from hf_oracle import randomize
+from tiny import GROUPED, TINY, random_model, token_ids
 
-from k2lab import K2Config, K2Model
 from k2lab.analysis.interventions import edit_bias, force_route
 from k2lab.analysis.routing import RoutingTrace, select_experts, trace
 
-TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
-GROUPED = TINY.replace(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4)
+pytestmark = pytest.mark.usefixtures("no_grad")
 
-
-def _model(cfg: K2Config, seed: int = 0) -> K2Model:
-    model = K2Model(cfg).eval()
-    randomize(model, seed)  # random, non-zero correction bias
-    return model
-
-
-def _ids(batch: int = 2, length: int = 11) -> torch.Tensor:
-    return torch.randint(0, TINY.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
-
-
-@pytest.fixture(autouse=True)
-def _no_grad():
-    with torch.no_grad():
-        yield
+_ids = partial(token_ids, TINY, length=11)
 
 
 @pytest.mark.parametrize("cfg", [TINY, GROUPED], ids=["one_group", "grouped"])
 def test_trace_matches_the_router_probes(cfg):
-    model = _model(cfg)
+    model = random_model(cfg)
     _, cache = model.run_with_cache(_ids(), names=".mlp.gate.")
     tr = trace(model, _ids())
     assert tr.layers == [1, 2]
@@ -52,7 +38,7 @@ def test_trace_matches_the_router_probes(cfg):
 
 @pytest.mark.parametrize("cfg", [TINY, GROUPED], ids=["one_group", "grouped"])
 def test_bias_flips_are_where_the_bias_changed_the_chosen_set(cfg):
-    model = _model(cfg, seed=2)
+    model = random_model(cfg, seed=2)
     tr = trace(model, _ids())
     for j, layer in enumerate(tr.layers):
         with edit_bias(model, {layer: 0.0}):  # the router itself without this layer's bias; inputs unchanged
@@ -68,7 +54,7 @@ def test_bias_flips_are_where_the_bias_changed_the_chosen_set(cfg):
 
 
 def test_trace_sees_interventions_and_needs_the_gate_probes():
-    model = _model(TINY)
+    model = random_model(TINY)
     with force_route(model, {2: [0, 1, 2, 3]}):
         tr = trace(model, _ids())
     assert (tr.indices[1] == torch.tensor([0, 1, 2, 3])).all()
@@ -76,4 +62,4 @@ def test_trace_sees_interventions_and_needs_the_gate_probes():
     with pytest.raises(KeyError, match="needs the gate probes"):
         RoutingTrace.from_cache(partial)
     with pytest.raises(ValueError, match="no MoE layer"):
-        trace(_model(TINY.replace(first_k_dense_replace=3)), _ids())
+        trace(random_model(TINY.replace(first_k_dense_replace=3)), _ids())

@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from hf_oracle import hf_model, randomize, relative_error, save_and_load
+from hf_oracle import hf_model, relative_error, save_and_load
+from tiny import GROUPED, TINY, random_model, token_ids
 
-from k2lab import K2Config, K2Model
+from k2lab import K2Model
 from k2lab.analysis.interventions import ablate_experts, edit_bias, force_route, patch
 from k2lab.analysis.routing import allowed_experts
 
-TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
-GROUPED = TINY.replace(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4)
+pytestmark = pytest.mark.usefixtures("no_grad")
 
-
-def _model(cfg: K2Config = TINY, seed: int = 0) -> K2Model:
-    model = K2Model(cfg).eval()
-    randomize(model, seed)
-    return model
-
-
-def _ids(batch: int = 2, length: int = 9, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, TINY.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+_ids = partial(token_ids, TINY, length=9)
 
 
 def _routing(model: K2Model, layer: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -31,20 +25,9 @@ def _routing(model: K2Model, layer: int, ids: torch.Tensor) -> dict[str, torch.T
 
 
 @pytest.fixture(scope="module")
-def model() -> K2Model:
-    return _model()
-
-
-@pytest.fixture(scope="module")
 def plain(model):
     with torch.no_grad():
         return _routing(model, 2, _ids())
-
-
-@pytest.fixture(autouse=True)
-def _no_grad():
-    with torch.no_grad():
-        yield
 
 
 def _most_used(idx: torch.Tensor) -> int:
@@ -81,7 +64,7 @@ def test_zero_keeps_the_route_and_zeroes_the_slot(model, plain):
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_renormalize_drops_the_slot_and_renormalises_like_the_router(norm_topk_prob):
     cfg = TINY.replace(norm_topk_prob=norm_topk_prob)
-    model = _model(cfg)
+    model = random_model(cfg)
     ids = _ids()
     before = _routing(model, 2, ids)
     ablated = [_most_used(before["hook_topk_idx"]), 1]
@@ -104,7 +87,7 @@ def test_renormalize_drops_the_slot_and_renormalises_like_the_router(norm_topk_p
 
 @pytest.mark.parametrize("cfg", [TINY, GROUPED], ids=["one_group", "grouped"])
 def test_reroute_hands_the_slot_to_the_next_best_expert(cfg):
-    model = _model(cfg, seed=1)
+    model = random_model(cfg, seed=1)
     ids = _ids()
     before = _routing(model, 2, ids)
     idx, choice, scores = before["hook_topk_idx"], before["hook_choice_scores"], before["hook_scores"]

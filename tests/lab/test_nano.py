@@ -20,15 +20,12 @@ def nano():
 
 
 def test_load_nano_offline_and_fast():
-    code = (
-        "import time; t = time.perf_counter(); import k2lab; m, tok = k2lab.load_nano(); "
-        "print(time.perf_counter() - t, m.config.vocab_size, tok.vocab_size)"
-    )
+    """A fresh interpreter loads it offline. How long that takes is measured by ``python -m benchmarks.load_nano``."""
+    code = "import k2lab; m, tok = k2lab.load_nano(); print(m.config.vocab_size, tok.vocab_size)"
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    seconds, vocab, tok_vocab = out.stdout.split()
+    vocab, tok_vocab = out.stdout.split()
     assert int(vocab) == int(tok_vocab) == 8192
-    assert float(seconds) < 10  # import + load; the load alone is well under 2 s on an idle machine
 
 
 def test_nano_keeps_every_k2_switch(nano):

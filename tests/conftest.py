@@ -1,0 +1,32 @@
+"""Shared fixtures. The tests mirror the package (tests/model/ for k2lab/model/, ...); helper modules at this
+level (hf_oracle, release_layout, tiny) are importable from every folder because ``pythonpath`` in pyproject.toml
+puts tests/ on sys.path.
+
+Markers: ``slow`` marks the long training checks (CI runs them; ``-m "not slow"`` skips them locally)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import TINY, random_model, token_ids
+
+from k2lab import K2Model
+
+
+@pytest.fixture(scope="module")
+def model() -> K2Model:
+    """TINY with the oracle's seeded weights (seed 0); one per test module, so no module sees another's edits."""
+    return random_model(TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def ids() -> torch.Tensor:
+    """[2, 7] token ids for TINY (seed 0)."""
+    return token_ids(TINY, batch=2, length=7)
+
+
+@pytest.fixture
+def no_grad():
+    """Use with ``pytestmark = pytest.mark.usefixtures("no_grad")`` in modules that never backpropagate."""
+    with torch.no_grad():
+        yield
