@@ -25,6 +25,7 @@ the process group's timeout (``init(timeout=)``); errors while reading the confi
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -99,7 +100,7 @@ def stage_map(cfg: K2Config, world_size: int, stages: Mapping[str, int]) -> dict
 
 
 def _describe_stages(stages: Mapping[str, int], world_size: int) -> str:
-    return "; ".join(f"rank {r}: {_describe([u for u, s in stages.items() if s == r])}" for r in range(world_size))
+    return "\n".join(f"rank {r}: {_describe([u for u, s in stages.items() if s == r])}" for r in range(world_size))
 
 
 def _read_config(path_or_repo_id: str | Path, revision: str | None, num_layers: int | None) -> K2Config:
@@ -156,8 +157,9 @@ class PipelinedK2:
                                  f"got {devices!r}")
             resident = load_kwargs.get("fp8_resident")  # load's default: e4m3 stays e4m3 on GPUs only
             fp8 = cfg.fp8_block_size is not None and (resident if resident is not None else self.device.type != "cpu")
-            self.plan = plan(cfg, capacities, fp8=fp8, dtype=dtype or torch.bfloat16,
-                             expert_budget_bytes=load_kwargs.get("expert_budget_bytes"))
+            placed = plan(cfg, capacities, fp8=fp8, dtype=dtype or torch.bfloat16,
+                          expert_budget_bytes=load_kwargs.get("expert_budget_bytes"))
+            self.plan = dataclasses.replace(placed, devices=tuple(f"rank {r}" for r in range(self.world_size)))
             stages = self.plan.units
         self.stages = stage_map(cfg, self.world_size, stages)
         self.blocks = [int(unit.split(".")[1]) for unit, r in self.stages.items()
@@ -195,8 +197,7 @@ class PipelinedK2:
 
     def describe(self) -> str:
         """The units of every rank (and the plan's bytes when a plan chose them)."""
-        stages = _describe_stages(self.stages, self.world_size).replace("; ", "\n")
-        return f"{self.plan}\n{stages}" if self.plan is not None else stages
+        return str(self.plan) if self.plan is not None else _describe_stages(self.stages, self.world_size)
 
     def new_cache(self, batch_size: int = 1) -> LatentCache:
         """This rank's latent cache: buffers for its own blocks (the others' entries on meta, empty)."""

@@ -166,3 +166,25 @@ def test_bytes_sent_follow_from_the_shapes(two_ranks):
     per_generate = n * 32 + steps * 8 + 32 + 16 + B * (T + n) * 8  # step headers and ids, stop, the result
     assert two_ranks[1]["bytes_sent"] == (4 * (forwards * B * T * V + D + V * D) + size(set(cache) - set(on_rank0))
                                           + size(gates) + 2 * per_generate + 32)  # + the error's header
+
+
+@pytest.mark.parametrize("world, stages, message", [
+    (2, {"": 0, "layers.9": 1}, "names no unit"),
+    (2, {"": 1, "layers.2": 0}, "forward order"),
+    (3, {"": 0, "lm_head": 2}, "forward order"),  # rank 1 holds nothing
+    (2, {"": 0, "lm_head": 1}, "final norm and the head"),  # the norm on rank 0, the head on rank 1
+    (2, {"embed_tokens": 0}, "places no rank for layers.0"),
+    (2, {"": 1.0}, "a rank must be an integer"),
+])
+def test_stage_map_refuses_what_cannot_run(world, stages, message):
+    with pytest.raises(ValueError, match=message):
+        stage_map(CONFIG, world, stages)
+
+
+def test_init_outside_torchrun_names_the_missing_variables(monkeypatch):
+    from k2lab.distributed import init
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match=r"\['RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'\].*torchrun"):
+        init()
