@@ -63,9 +63,11 @@ def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> to
             raise RuntimeError(f"k2lab.distributed.init reads torchrun's environment, but {missing} are unset; "
                                "launch with: torchrun --nproc-per-node N your_script.py")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timeout)
+        device = None
+        if backend == "nccl":  # bound to its GPU from the start: collectives never guess the device
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=timeout, device_id=device)
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
