@@ -1,0 +1,405 @@
+"""K2 as a pipeline over processes: one torchrun process (rank) per device, each holding a contiguous stage of
+whole blocks, the rest of the model on the meta device (shapes, no data, never read from the files).
+
+    # torchrun --nproc-per-node 8 script.py; every rank runs the same script with the same ids
+    pm = PipelinedK2("moonshotai/Kimi-K2-Instruct")       # the same plan on every rank; each loads its stage
+    logits = pm(ids)                                       # float32 [B, T, V] on every rank
+    logits, cache = pm.run_with_cache(ids)                 # every probe, gathered to every rank
+    with k2lab.interventions.ablate_experts(pm, {3: [17]}):   # a hook goes to the rank that owns its probe
+        logits = pm(ids)
+    out = pm.generate(ids, max_new_tokens=20)              # [B, T + n] on every rank
+
+One forward, stage after stage: rank 0 embeds the ids and runs its blocks, then sends the residual [B, T, D] to
+rank 1 (blocking ``send``/``recv``), which runs its blocks and sends on; the last rank applies the final norm and
+the head. ``pm(ids)`` then broadcasts the float32 logits; ``pm.generate`` keeps them on the last rank, samples
+there and broadcasts only the next token ids. Every rank holds a ``LatentCache`` for its own blocks.
+
+The stage runs k2lab's own blocks, so probes, hooks and interventions work unchanged on the rank holding them.
+The final norm and head are copied to every rank once (broadcast from the last rank, never read from the files)
+so that a gathered cache's ``logit_lens`` and ``logit_attribution`` work everywhere.
+
+An exception inside one rank's stage (a hook that raises, say) leaves the other ranks waiting in ``recv`` until
+the process group's timeout (``init(timeout=)``); errors while reading the config or loading, and errors in
+``generate``'s arguments, reach every rank at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..analysis.cache import ActivationCache
+from ..config import K2Config
+from ..model.attention import AttnImpl, LatentCache
+from ..model.generate import generate
+from ..model.hooks import FwdHooks, HookPoint, NameFilter
+from ..model.transformer import DecoderLayer, K2Model
+from ..weights import hub
+from ..weights.load import load, slice_layers
+from ..weights.placement import Plan, _describe, device_capacity, placement_units, plan, unit_of
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)  # a rank may wait this long for a slower rank's load (60 GB from disk)
+_ATTN_IMPLS: tuple[AttnImpl, ...] = ("naive", "absorbed")
+_STEP, _STOP, _ERROR = 0, 1, 2  # what the last rank tells the others between generate's steps
+R = TypeVar("R")
+
+
+def init(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> torch.device:
+    """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``LOCAL_RANK``) and return this rank's device: ``cuda:LOCAL_RANK`` with NCCL when GPUs are visible, the CPU
+    with gloo otherwise. ``timeout`` bounds every wait on another rank. Does nothing if the group exists."""
+    if not dist.is_initialized():
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise RuntimeError(f"k2lab.distributed.init reads torchrun's environment, but {missing} are unset; "
+                               "launch with: torchrun --nproc-per-node N your_script.py")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        device = None
+        if backend == "nccl":  # bound to its GPU from the start: collectives never guess the device
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=timeout, device_id=device)
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def stage_map(cfg: K2Config, world_size: int, stages: Mapping[str, int]) -> dict[str, int]:
+    """{unit: rank} over ``embed_tokens``, ``layers.{i}``, ``norm``, ``lm_head`` from a map {unit prefix: rank},
+    each unit taking its longest matching prefix (``""`` matches all): ``{"": 1, "embed_tokens": 0, "layers.0": 0}``.
+    The stages must run in forward order over ranks 0..world_size-1, each holding something, with the final norm
+    and head on the last rank."""
+    units = placement_units(cfg)
+    for key, rank in stages.items():
+        if key and not any(u == key or u.startswith(key + ".") for u in units):
+            raise ValueError(f"stages key {key!r} names no unit; units are embed_tokens, layers.0 .. "
+                             f"layers.{cfg.num_hidden_layers - 1}, norm, lm_head")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"stages[{key!r}] = {rank!r}: a rank must be an integer in 0..{world_size - 1}")
+    out = {}
+    for unit in units:
+        matches = [k for k in stages if k == "" or unit == k or unit.startswith(k + ".")]
+        if not matches:
+            raise ValueError(f"stages places no rank for {unit} (add it, or a '' entry for everything else)")
+        out[unit] = stages[max(matches, key=len)]
+    order = list(out.values())
+    if order != sorted(order) or set(order) != set(range(world_size)):
+        raise ValueError(f"stages must run in forward order over ranks 0..{world_size - 1}, each holding at least "
+                         f"one unit; got {_describe_stages(out, world_size)}")
+    if out["norm"] != world_size - 1 or out["lm_head"] != world_size - 1:
+        raise ValueError(f"the final norm and the head must sit on the last rank ({world_size - 1}); got "
+                         f"{_describe_stages(out, world_size)}")
+    return out
+
+
+def _describe_stages(stages: Mapping[str, int], world_size: int) -> str:
+    return "\n".join(f"rank {r}: {_describe([u for u, s in stages.items() if s == r])}" for r in range(world_size))
+
+
+def _read_config(path_or_repo_id: str | Path, revision: str | None, num_layers: int | None) -> K2Config:
+    """The config the load will build, without reading any weights (config.json only, from the Hub if need be)."""
+    local = Path(path_or_repo_id).expanduser()
+    if local.is_dir():
+        return slice_layers(K2Config.from_hf(local / "config.json"), num_layers)
+    if isinstance(path_or_repo_id, Path) or not hub.is_repo_id(path_or_repo_id):
+        raise FileNotFoundError(f"{path_or_repo_id} is neither a checkpoint folder nor a Hub repo id")
+    config = hub.fetch_file(path_or_repo_id, "config.json", revision)
+    if config is None:
+        raise FileNotFoundError(f"Hub repo {path_or_repo_id} has no config.json")
+    return slice_layers(K2Config.from_hf(config), num_layers)
+
+
+def _capacity(device: torch.device) -> int:
+    """What plan may fill on this rank's device: free GPU memory, or the machine's memory."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else device_capacity(device)
+
+
+class PipelinedK2:
+    """A K2 model split into stages over the ranks of a torch.distributed group; see the module docstring.
+
+    Duck-types the parts of ``K2Model`` that analysis and interventions use (``config``, ``layers``, ``norm``,
+    ``lm_head``, ``hooks``, ``run_with_cache``, ``select_hook_names``), with ``pm.model`` this rank's K2Model
+    (its other ranks' units on meta). Every method is collective: every rank calls it, with the same arguments.
+    """
+
+    def __init__(self, path_or_repo_id: str | Path, dtype: torch.dtype | None = None,
+                 devices: Sequence[int] | None = None, stages: Mapping[str, int] | None = None, **load_kwargs):
+        """path_or_repo_id, dtype and ``load_kwargs`` (num_layers, expert_budget_bytes, fp8_resident, revision,
+        progress) as for ``k2lab.load``; ``device_map`` is this class's to set.
+
+        devices: each rank's capacity in bytes, one per rank, for ``plan``. Default: each rank's free GPU memory
+            (the machine's memory for CPU ranks), gathered so that every rank computes the same plan.
+        stages: an explicit {unit prefix: rank} map instead of the plan (see ``stage_map``).
+
+        A rank that fails to read the config or to load (a missing shard on its node, say) makes every rank raise
+        RuntimeError naming that rank and its error.
+        """
+        if "device_map" in load_kwargs:
+            raise ValueError("PipelinedK2 places the units itself; give stages= (or devices=) instead of device_map")
+        self.device = init()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.last = self.world_size - 1
+        self.bytes_sent = 0  # payload this rank has sent to other ranks (a broadcast counts once per receiver)
+        cfg = self._on_every_rank("read config.json", lambda: _read_config(
+            path_or_repo_id, load_kwargs.get("revision"), load_kwargs.get("num_layers")))
+        self.plan: Plan | None = None
+        if stages is None:
+            capacities = list(devices) if devices is not None else self._gather(_capacity(self.device))
+            if len(capacities) != self.world_size:
+                raise ValueError(f"devices must give one capacity in bytes per rank ({self.world_size}), "
+                                 f"got {devices!r}")
+            resident = load_kwargs.get("fp8_resident")  # load's default: e4m3 stays e4m3 on GPUs only
+            fp8 = cfg.fp8_block_size is not None and (resident if resident is not None else self.device.type != "cpu")
+            placed = plan(cfg, capacities, fp8=fp8, dtype=dtype or torch.bfloat16,
+                          expert_budget_bytes=load_kwargs.get("expert_budget_bytes"))
+            self.plan = dataclasses.replace(placed, devices=tuple(f"rank {r}" for r in range(self.world_size)))
+            stages = self.plan.units
+        self.stages = stage_map(cfg, self.world_size, stages)
+        self.blocks = [int(unit.split(".")[1]) for unit, r in self.stages.items()
+                       if r == self.rank and unit.startswith("layers.")]
+        mine = {unit: self.device if r == self.rank else "meta" for unit, r in self.stages.items()}
+        self.model: K2Model = self._on_every_rank("load its stage", lambda: load(
+            path_or_repo_id, dtype=dtype, device_map=mine, **load_kwargs)).eval()
+        self._replicate_head()
+
+    # ---- what analysis and interventions read ----------------------------------------------------------------------
+    @property
+    def config(self) -> K2Config:
+        return self.model.config
+
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        """Every block; those of other ranks are on meta."""
+        return self.model.layers
+
+    @property
+    def norm(self) -> torch.nn.Module:
+        return self.model.norm
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.lm_head
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.last
+
+    def describe(self) -> str:
+        """The units of every rank (and the plan's bytes when a plan chose them)."""
+        return str(self.plan) if self.plan is not None else _describe_stages(self.stages, self.world_size)
+
+    def new_cache(self, batch_size: int = 1) -> LatentCache:
+        """This rank's latent cache: buffers for its own blocks (the others' entries on meta, empty)."""
+        return self.model.new_cache(batch_size)
+
+    # ---- the forward -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 cache: LatentCache | None = None, attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
+        """input_ids [B, T] -> float32 logits [B, T, V] on every rank (``K2Model.forward``'s semantics; a
+        ``cache`` from ``pm.new_cache`` continues from its length)."""
+        block_kwargs = self._block_kwargs(attention_mask)
+        ids = self.model._check_input(input_ids, cache)  # the same checks on every rank; on meta but on rank 0
+        logits = self._stage_forward(ids, cache, attn_impl, block_kwargs)  # the last rank's only
+        if not self.is_last:
+            logits = torch.empty(*ids.shape, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        self._broadcast(logits, src=self.last)
+        return logits
+
+    def _block_kwargs(self, attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The mask goes to every block if the blocks take one."""
+        if attention_mask is None:
+            return {}
+        if "attention_mask" not in inspect.signature(DecoderLayer.forward).parameters:
+            raise NotImplementedError("attention_mask: k2lab's blocks (DecoderLayer.forward) take no attention mask "
+                                      "in this version, so the pipeline cannot apply one; pass unpadded rows")
+        return {"attention_mask": torch.as_tensor(attention_mask).to(self.device)}
+
+    def _stage_forward(self, ids: torch.Tensor, cache: LatentCache | None, attn_impl: AttnImpl,
+                       block_kwargs: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """This rank's part of one forward of checked ids [B, T] (read on rank 0 only, their shape elsewhere):
+        the logits [B, T, V] on the last rank, None elsewhere."""
+        m = self.model
+        B, T = ids.shape
+        start = cache.length if cache is not None else 0
+        cos, sin = m.rotary_emb.cos_sin(torch.arange(start, start + T, device=self.device))  # [T, R] each
+        if self.rank == 0:
+            x = m.embed_tokens.hook_out(m.embed_tokens(ids.to(self.device)))  # [B, T, D]
+        else:
+            x = torch.empty(B, T, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(x, src=self.rank - 1)  # the residual after the previous stage's blocks
+        for i in self.blocks:
+            x = m.layers[i](x, m.rotary_emb, cos, sin, cache, attn_impl, **block_kwargs)
+        if cache is not None:
+            cache.advance(T)
+        if not self.is_last:
+            dist.send(x.contiguous(), dst=self.rank + 1)
+            self.bytes_sent += x.nelement() * x.element_size()
+            return None
+        return m.hook_logits(m.lm_head(m.norm.hook_out(m.norm(x))).float())  # [B, T, V]
+
+    # ---- probes ------------------------------------------------------------------------------------------------------
+    def owns(self, probe: str) -> bool:
+        """Whether probe ``probe`` fires on this rank (``hook_logits`` belongs with the head)."""
+        return self.stages["lm_head" if probe == "hook_logits" else unit_of(probe)] == self.rank
+
+    def hook_names(self) -> list[str]:
+        return self.model.hook_names()
+
+    def select_hook_names(self, names: NameFilter) -> list[str]:
+        return self.model.select_hook_names(names)
+
+    def hook_point(self, name: str) -> HookPoint:
+        return self.model.hook_point(name)
+
+    @contextmanager
+    def hooks(self, fwd_hooks: FwdHooks = ()) -> Iterator[None]:
+        """``K2Model.hooks`` by global probe name or predicate: each hook is attached on the rank owning its probe
+        (a name that matches no probe raises on every rank)."""
+        owned = [(name, fn) for selector, fn in fwd_hooks
+                 for name, _ in self.model.resolve_hook_names(selector) if self.owns(name)]
+        with self.model.hooks(fwd_hooks=owned):
+            yield
+
+    def run_with_hooks(self, input_ids: torch.Tensor, fwd_hooks: FwdHooks = (), **forward_kwargs) -> torch.Tensor:
+        with self.hooks(fwd_hooks=fwd_hooks):
+            return self(input_ids, **forward_kwargs)
+
+    def reset_hooks(self) -> None:
+        self.model.reset_hooks()
+
+    def run_with_cache(self, input_ids: torch.Tensor, names: NameFilter = None,
+                       device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                       **forward_kwargs) -> tuple[torch.Tensor, ActivationCache]:
+        """``K2Model.run_with_cache`` over the pipeline: each rank records its own probes, then every rank receives
+        all of them (on ``device``, default this rank's), in firing order."""
+        store: dict[str, torch.Tensor] = {}
+
+        def record(tensor: torch.Tensor, hook: HookPoint) -> None:
+            store[hook.name] = tensor.detach().to("cpu", copy=True)  # compact host copies, gathered by pickling
+
+        selected = [name for name in self.select_hook_names(names) if self.owns(name)]
+        with self.model.hooks(fwd_hooks=[(name, record) for name in selected]):
+            logits = self(input_ids, **forward_kwargs)
+        self.bytes_sent += sum(t.nelement() * t.element_size() for t in store.values()) * (self.world_size - 1)
+        target = torch.device(device) if device is not None else self.device
+        acts = {name: t.to(target, dtype=dtype if dtype is not None and t.is_floating_point() else None)
+                for part in self._gather(store) for name, t in part.items()}
+        return logits, ActivationCache(acts, self)  # type: ignore[arg-type]  # duck-types the K2Model it reads
+
+    # ---- decoding ----------------------------------------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
+        """``k2lab.generate`` through the pipeline, with its options (temperature, top_k, top_p, seed, eos_token_id,
+        attn_impl, tokenizer, token_healing) -> [B, T + n] on every rank.
+
+        It runs on the last rank, where the logits are, so sampling happens once; before each step the last rank
+        broadcasts that step's ids [B, T] (int64), and the other ranks run their stages on them with their own
+        latent caches. Per generated token the ranks exchange (S - 1) residuals [B, 1, D] plus those ids."""
+        if self.is_last:
+            try:
+                out = generate(_LastStage(self), input_ids, max_new_tokens, **options)
+            except Exception as err:
+                self._tell(_ERROR, message=f"{type(err).__name__}: {err}")
+                raise
+            self._tell(_STOP)
+            shape = torch.tensor(out.shape, device=self.device)
+        else:
+            self._follow()
+            shape = torch.empty(2, dtype=torch.int64, device=self.device)
+        self._broadcast(shape, src=self.last)
+        if not self.is_last:
+            out = torch.empty(*shape.tolist(), dtype=torch.int64, device=self.device)
+        self._broadcast(out, src=self.last)
+        return out
+
+    def _tell(self, kind: int, ids: torch.Tensor | None = None, attn_impl: AttnImpl = "absorbed",
+              message: str = "") -> None:
+        """From the last rank: what comes next in generate (a step's ids, the end, or an error)."""
+        B, T = ids.shape if ids is not None else (0, 0)
+        self._broadcast(torch.tensor([kind, B, T, _ATTN_IMPLS.index(attn_impl)], device=self.device), src=self.last)
+        if kind == _STEP:
+            self._broadcast(ids.to(self.device, torch.int64).contiguous(), src=self.last)
+        elif kind == _ERROR:
+            dist.broadcast_object_list([message], src=self.last)
+
+    def _follow(self) -> None:
+        """On the other ranks: run this stage on each step's ids until the last rank says stop."""
+        cache = None
+        while True:
+            header = torch.empty(4, dtype=torch.int64, device=self.device)
+            self._broadcast(header, src=self.last)
+            kind, B, T, impl = header.tolist()
+            if kind == _STOP:
+                return
+            if kind == _ERROR:
+                message = [None]
+                dist.broadcast_object_list(message, src=self.last)
+                raise RuntimeError(f"generate failed on rank {self.last}: {message[0]}")
+            ids = torch.empty(B, T, dtype=torch.int64, device=self.device)
+            self._broadcast(ids, src=self.last)
+            cache = cache if cache is not None else self.new_cache(B)
+            self._stage_forward(ids, cache, _ATTN_IMPLS[impl], {})
+
+    # ---- communication -----------------------------------------------------------------------------------------------
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        dist.broadcast(tensor, src=src)
+        if self.rank == src:
+            self.bytes_sent += tensor.nelement() * tensor.element_size() * (self.world_size - 1)
+
+    def _gather(self, obj: R) -> list[R]:
+        out: list[R] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _on_every_rank(self, what: str, fn: Callable[[], R]) -> R:
+        """Run ``fn`` on every rank; if it fails on any, raise on every rank, naming the first failing rank."""
+        result, error = None, None
+        try:
+            result = fn()
+        except Exception as err:  # reported to every rank below, then raised
+            error = err
+        errors = self._gather(None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            r, message = failed[0]
+            others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+            raise RuntimeError(f"rank {r} failed to {what}{others}: {message}") from error
+        return result  # type: ignore[return-value]
+
+    def _replicate_head(self) -> None:
+        """The final norm and head on every rank, sent by the last rank (not read from the files)."""
+        for module in (self.model.norm, self.model.lm_head):
+            if not self.is_last:
+                module.to_empty(device=self.device)
+            for tensor in module.state_dict().values():  # views of the parameters: filled in place
+                self._broadcast(tensor, src=self.last)
+
+
+class _LastStage:
+    """What ``k2lab.generate`` drives on the last rank: a model whose call first sends the step's ids to the other
+    ranks, then runs the pipeline and returns the logits, which stay here."""
+
+    def __init__(self, pm: PipelinedK2):
+        self.pm, self.config, self.device = pm, pm.config, pm.device
+
+    def new_cache(self, batch_size: int) -> LatentCache:
+        return self.pm.new_cache(batch_size)
+
+    def __call__(self, ids: torch.Tensor, cache: LatentCache, attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
+        self.pm.model._check_input(ids, cache)  # a bad step fails here, before the other ranks are told of it
+        ids = torch.as_tensor(ids)
+        self.pm._tell(_STEP, ids, attn_impl)
+        return self.pm._stage_forward(ids, cache, attn_impl, {})
