@@ -104,9 +104,10 @@ class K2Config:
             raise ValueError(f"K2Config.topk_method={self.topk_method!r} does not go with scoring_func="
                              f"{self.scoring_func!r} (allowed: {list(routers[self.scoring_func])})")
         if self.topk_method == "greedy" and self.n_group != 1:
-            raise ValueError(f"K2Config.topk_method='greedy' ignores expert groups: n_group must be 1, got {self.n_group}")
-        if isinstance(self.num_nextn_predict_layers, bool) or not isinstance(self.num_nextn_predict_layers, int) \
-                or self.num_nextn_predict_layers < 0:
+            raise ValueError(f"K2Config.topk_method='greedy' ignores expert groups: n_group must be 1, got "
+                             f"{self.n_group}")
+        mtp = self.num_nextn_predict_layers
+        if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
             raise ValueError(f"K2Config.num_nextn_predict_layers must be an integer >= 0, got "
                              f"{self.num_nextn_predict_layers!r}")
         if self.rope_type not in (None, "yarn"):

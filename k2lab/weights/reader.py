@@ -194,7 +194,8 @@ def is_mtp_tensor(name: str, cfg: K2Config) -> bool:
     if not name.startswith("model.layers."):
         return False
     layer = name.split(".")[2]
-    return layer.isdigit() and cfg.num_hidden_layers <= int(layer) < cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    first = cfg.num_hidden_layers
+    return layer.isdigit() and first <= int(layer) < first + cfg.num_nextn_predict_layers
 
 
 def read_weight_map(index: Path) -> dict[str, str]:
