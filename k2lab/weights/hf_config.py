@@ -24,7 +24,7 @@ _IGNORED_KEYS = frozenset(
         "pad_token_id", "attention_dropout", "ep_size", "head_dim", "qk_head_dim", "moe_layer_freq",
         "_name_or_path", "model_type", "quantization_config", "rope_scaling", "rope_parameters", "rope_theta",
         "num_mtp_layers", "hidden_act",
-        "attention_bias", "tie_word_embeddings", "num_key_value_heads", "eos_token_id", "bos_token_id",
+        "attention_bias", "mlp_bias", "tie_word_embeddings", "num_key_value_heads", "eos_token_id", "bos_token_id",
         "output_attentions", "output_hidden_states", "return_dict", "chunk_size_feed_forward",
         "is_encoder_decoder", "tokenizer_class", "name_or_path", "id2label", "label2id", "problem_type",
         "rope_interleave", "max_window_layers", "use_sliding_window", "sliding_window",
@@ -112,6 +112,7 @@ def _fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
     _require(raw, "model_type", _MODEL_TYPES, where, default="deepseek_v3")
     _require(raw, "hidden_act", ("silu",), where, default="silu")
     _require(raw, "attention_bias", (False,), where, default=False)
+    _require(raw, "mlp_bias", (False,), where, default=False)
     _require(raw, "tie_word_embeddings", (False,), where, default=False)
     _require(raw, "moe_layer_freq", (1,), where, default=1)
     if raw.get("num_mtp_layers", 0):
