@@ -37,6 +37,11 @@ class K2Config:
     topk_group: int = 1  # groups kept per token
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 2.827
+    # How the router scores and picks experts. K2 and DeepSeek-V3: "sigmoid" affinities with a correction bias
+    # deciding the top-k ("noaux_tc"). DeepSeek-V2: a "softmax" over the experts, top-k of it ("greedy", or
+    # "group_limited_greedy": top-k within the topk_group groups holding the highest single scores), no bias.
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
     rms_norm_eps: float = 1e-6
     rope_theta: float = 50_000.0
     rope_interleave: bool = True  # the released layout: rotary dims stored as interleaved pairs
@@ -50,6 +55,9 @@ class K2Config:
     max_position_embeddings: int = 131_072
     bos_token_id: int | None = 163_584
     eos_token_id: int | None = 163_585
+    # Multi-token-prediction blocks stored after the main blocks (DeepSeek-V3: 1, ``model.layers.61.*``). They
+    # draft the token after next for speculative decoding; k2lab counts them apart and does not load them.
+    num_nextn_predict_layers: int = 0
     fp8_block_size: tuple[int, int] | None = (128, 128)  # checkpoint quantization blocks; None = unquantized
 
     def __post_init__(self) -> None:
@@ -89,6 +97,19 @@ class K2Config:
                 f"K2Config.num_experts_per_tok={self.num_experts_per_tok} exceeds the {kept} experts "
                 f"in the topk_group={self.topk_group} groups a token may use"
             )
+        routers = {"sigmoid": ("noaux_tc",), "softmax": ("greedy", "group_limited_greedy")}
+        if self.scoring_func not in routers:
+            raise ValueError(f"K2Config.scoring_func must be one of {list(routers)}, got {self.scoring_func!r}")
+        if self.topk_method not in routers[self.scoring_func]:
+            raise ValueError(f"K2Config.topk_method={self.topk_method!r} does not go with scoring_func="
+                             f"{self.scoring_func!r} (allowed: {list(routers[self.scoring_func])})")
+        if self.topk_method == "greedy" and self.n_group != 1:
+            raise ValueError(f"K2Config.topk_method='greedy' ignores expert groups: n_group must be 1, got "
+                             f"{self.n_group}")
+        mtp = self.num_nextn_predict_layers
+        if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+            raise ValueError(f"K2Config.num_nextn_predict_layers must be an integer >= 0, got "
+                             f"{self.num_nextn_predict_layers!r}")
         if self.rope_type not in (None, "yarn"):
             raise ValueError(f"K2Config.rope_type must be None or 'yarn', got {self.rope_type!r}")
         if self.rope_type == "yarn" and self.rope_factor < 1:
@@ -110,6 +131,11 @@ class K2Config:
         return layer >= self.first_k_dense_replace
 
     @property
+    def has_correction_bias(self) -> bool:
+        """Whether the router carries ``e_score_correction_bias`` (sigmoid routers with noaux_tc top-k)."""
+        return self.topk_method == "noaux_tc"
+
+    @property
     def yarn_mscale(self) -> float:
         """YaRN's attention temperature m = 0.1 ln(factor) + 1, taken with mscale_all_dim (1.3466 for K2)."""
         return yarn_get_mscale(self.rope_factor, self.mscale_all_dim) if self.rope_type == "yarn" else 1.0
@@ -124,6 +150,30 @@ class K2Config:
     def kimi_k2(cls) -> K2Config:
         """Kimi-K2-Instruct as released: 61 blocks, 384 experts top-8, MLA 1536/512, YaRN x32."""
         return cls()
+
+    @classmethod
+    def kimi_k2_0905(cls) -> K2Config:
+        """Kimi-K2-Instruct-0905: K2's architecture with a 256K context (YaRN x64 over the 4,096 original positions,
+        262,144 positions); the longer stretch raises the softmax scale to 192^-0.5 * (0.1 ln 64 + 1)^2 = 0.14468."""
+        return cls(rope_factor=64.0, max_position_embeddings=262_144)
+
+    @classmethod
+    def kimi_k2_thinking(cls) -> K2Config:
+        """Kimi-K2-Thinking: the architecture of K2-Instruct-0905 (256K context, YaRN x64). Its release stores the
+        routed experts in INT4; how weights are stored is the checkpoint's business, not the architecture's."""
+        return cls.kimi_k2_0905()
+
+    @classmethod
+    def moonlight(cls) -> K2Config:
+        """Moonlight-16B-A3B: 27 blocks 2,048 wide (the first dense), 16 heads without a query latent, 64 experts of
+        1,408 top-6 plus 2 shared, routed scale 2.446, plain RoPE (theta 50,000) over 8,192 positions, K2's
+        vocabulary. 15.29B parameters, 2.24B active without embedding and head."""
+        return cls(
+            hidden_size=2048, intermediate_size=11_264, moe_intermediate_size=1408, num_hidden_layers=27,
+            num_attention_heads=16, q_lora_rank=None, n_routed_experts=64, n_shared_experts=2,
+            num_experts_per_tok=6, routed_scaling_factor=2.446, rms_norm_eps=1e-5, rope_type=None, rope_factor=1.0,
+            max_position_embeddings=8192,
+        )
 
     @classmethod
     def mini(cls) -> K2Config:

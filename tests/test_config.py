@@ -77,7 +77,9 @@ def test_deepseek_v3_style_config():
     [
         ({"scoring_func": "softmax"}, "scoring_func"),
         ({"topk_method": "greedy"}, "topk_method"),
-        ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
+        ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers"),
+        ({"model_type": "deepseek_v32", "index_topk": 2048}, "indexer"),
+        ({"linear_attn_config": {"kda_layers": [1]}}, "Delta Attention"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"tie_word_embeddings": True}, "tie_word_embeddings"),
         ({"num_key_value_heads": 8}, "num_key_value_heads"),

@@ -7,6 +7,7 @@ and the loader can check shapes against the same source.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -68,10 +69,9 @@ def layer_tensors(cfg: K2Config, layer: int) -> list[TensorSpec]:
             _matrix(m + "down_proj.weight", D, I, "dense_mlp", layer),
         ]
     I = cfg.moe_intermediate_size
-    specs += [
-        TensorSpec(m + "gate.weight", (cfg.n_routed_experts, D), "router", layer, False),
-        TensorSpec(m + "gate.e_score_correction_bias", (cfg.n_routed_experts,), "router", layer, False),
-    ]
+    specs.append(TensorSpec(m + "gate.weight", (cfg.n_routed_experts, D), "router", layer, False))
+    if cfg.has_correction_bias:
+        specs.append(TensorSpec(m + "gate.e_score_correction_bias", (cfg.n_routed_experts,), "router", layer, False))
     for e in range(cfg.n_routed_experts):
         x = f"{m}experts.{e}."
         specs += [
@@ -100,6 +100,49 @@ def checkpoint_tensors(cfg: K2Config) -> list[TensorSpec]:
     return specs
 
 
+def mtp_tensors(cfg: K2Config) -> list[TensorSpec]:
+    """The multi-token-prediction blocks stored after the main ones (DeepSeek-V3: ``model.layers.61.*``), as
+    released: each holds eh_proj [D, 2D] (joins the normed hidden state and the normed next-token embedding), enorm,
+    hnorm, a whole block, and copies of the embedding and of the head with its norm (``shared_head``). Component
+    "mtp"; k2lab counts them but does not load them."""
+    V, D = cfg.vocab_size, cfg.hidden_size
+    specs = []
+    for layer in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        p = f"model.layers.{layer}."
+        block = layer_tensors(cfg, layer)
+        specs += [dataclasses.replace(s, component="mtp") for s in block] + [
+            TensorSpec(p + "embed_tokens.weight", (V, D), "mtp", layer, False),
+            TensorSpec(p + "enorm.weight", (D,), "mtp", layer, False),
+            TensorSpec(p + "hnorm.weight", (D,), "mtp", layer, False),
+            _matrix(p + "eh_proj.weight", D, 2 * D, "mtp", layer),
+            TensorSpec(p + "shared_head.norm.weight", (D,), "mtp", layer, False),
+            TensorSpec(p + "shared_head.head.weight", (V, D), "mtp", layer, False),
+        ]
+    return specs
+
+
+@dataclass(frozen=True)
+class MTPCount:
+    """Parameters of the multi-token-prediction blocks, apart from the main model's.
+
+    ``total``: every MTP tensor as stored (its copies of the embedding and head included: DeepSeek-V3's 685B on
+    the hub = 671B main + this). ``unique``: less those copies, which share the main model's values.
+    ``active``: what one drafted token uses (k of E routed experts, embedding and head included)."""
+
+    total: int = 0
+    unique: int = 0
+    active: int = 0
+
+
+def count_mtp_parameters(cfg: K2Config) -> MTPCount:
+    """Parameters of ``cfg``'s multi-token-prediction blocks (all zero without any)."""
+    specs = mtp_tensors(cfg)
+    total = sum(s.numel for s in specs)
+    shared = sum(s.numel for s in specs if s.name.endswith(("embed_tokens.weight", "shared_head.head.weight")))
+    routed = sum(s.numel for s in specs if ".mlp.experts." in s.name)
+    return MTPCount(total, total - shared, total - routed + routed * cfg.num_experts_per_tok // cfg.n_routed_experts)
+
+
 @dataclass(frozen=True)
 class ParameterCount:
     """Parameter totals. ``active``: what one token uses (k of E routed experts per MoE block)."""
@@ -108,6 +151,7 @@ class ParameterCount:
     active: int
     components: dict[str, int] = field(default_factory=dict)
     active_components: dict[str, int] = field(default_factory=dict)
+    mtp: MTPCount = field(default_factory=MTPCount)  # multi-token prediction, not in total or active
 
     @property
     def active_without_embeddings(self) -> int:
@@ -120,13 +164,15 @@ class ParameterCount:
 
 
 def count_parameters(cfg: K2Config) -> ParameterCount:
-    """Total and per-token active parameters, by component (router includes the correction biases)."""
+    """Total and per-token active parameters of the main model, by component (router includes the correction
+    biases); multi-token-prediction blocks, where the config has them, apart in ``.mtp``."""
     components = dict.fromkeys(COMPONENTS, 0)
     for spec in checkpoint_tensors(cfg):
         components[spec.component] += spec.numel
     active = dict(components)
     active["routed_experts"] = components["routed_experts"] * cfg.num_experts_per_tok // cfg.n_routed_experts
-    return ParameterCount(sum(components.values()), sum(active.values()), components, active)
+    return ParameterCount(sum(components.values()), sum(active.values()), components, active,
+                          count_mtp_parameters(cfg))
 
 
 def block_parameters(cfg: K2Config, layer: int) -> int:

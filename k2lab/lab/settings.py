@@ -13,7 +13,9 @@ so the same notebook runs the bundled K2-nano on a laptop (the default) or the r
 
 Variables (all optional):
 
-    K2LAB_MODEL              "nano" (default), a Hub repo id, or a checkpoint folder in the release layout
+    K2LAB_MODEL              "nano" (default), a Hub repo id, or a checkpoint folder in the release layout; or an
+                             architecture preset (kimi_k2, kimi_k2_0905, kimi_k2_thinking, moonlight): config only,
+                             for the notebooks that compute from the architecture alone (08 scale)
     K2LAB_DEVICE_MAP         unset or "cpu": the CPU; "auto": blocks balanced over the visible GPUs; a device such as
                              "cuda:0" for everything; or JSON {"module prefix": device}, e.g. {"": "cuda:0"}
     K2LAB_NUM_LAYERS         keep the first N blocks (plus the final norm and head): a prefix of the model
@@ -27,10 +29,12 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..analysis.accounting import count_parameters
+from ..config import K2Config
 from ..model.transformer import K2Model
 from ..tokenizer.tokenizer import K2Tokenizer, load_tokenizer
 from ..weights.load import load
@@ -38,6 +42,8 @@ from ..weights.placement import DeviceMap
 from .nano import NANO_DIR
 
 NANO = "nano"
+# Architectures K2LAB_MODEL may name without weights: settings.config() gives them; loading one falls back to nano.
+PRESETS = {name: getattr(K2Config, name) for name in ("kimi_k2", "kimi_k2_0905", "kimi_k2_thinking", "moonlight")}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -54,6 +60,28 @@ class LabSettings:
     @property
     def is_nano(self) -> bool:
         return self.model == NANO
+
+    @property
+    def is_preset(self) -> bool:
+        """Whether ``model`` names an architecture preset (config only, no weights)."""
+        return self.model in PRESETS
+
+    def config(self) -> K2Config:
+        """The chosen model's architecture without reading weights: a preset, K2-nano's, or the checkpoint's
+        config.json (a local folder, or that one file from the Hub)."""
+        if self.is_preset:
+            return PRESETS[self.model]()
+        if self.is_nano:
+            return K2Config.from_hf(NANO_DIR)
+        local = Path(self.model).expanduser()
+        if local.is_dir():
+            return K2Config.from_hf(local)
+        from ..weights.hub import fetch_file
+
+        config = fetch_file(self.model, "config.json", None)
+        if config is None:
+            raise FileNotFoundError(f"K2LAB_MODEL={self.model}: no config.json there")
+        return K2Config.from_hf(config)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LabSettings:
@@ -125,6 +153,9 @@ def load_model(settings: LabSettings | None = None, *, fallback_to_nano: bool = 
 
 
 def _load(settings: LabSettings) -> tuple[K2Model, K2Tokenizer, str]:
+    if settings.is_preset:
+        raise ValueError(f"K2LAB_MODEL={settings.model} names an architecture preset, not weights: settings.config() "
+                         "reads it; to run a model, give a Hub repo id or a checkpoint folder")
     source = NANO_DIR if settings.is_nano else settings.model
     dtype = settings.dtype or (torch.float32 if settings.is_nano else None)
     model = load(source, dtype=dtype, num_layers=settings.num_layers, expert_budget_bytes=settings.expert_budget_bytes,

@@ -41,18 +41,25 @@ class Router(nn.Module):
 
     The bias is trained by load balancing, not by gradient: an overloaded expert's bias falls, so fewer
     tokens choose it, without an auxiliary loss bending the language-model objective.
+
+    DeepSeek-V2's router (``scoring_func="softmax"``), for contrast: s = softmax(logits) over all experts (experts
+    compete for one unit of probability), no bias (``e_score_correction_bias`` is None; choice = s), top-k of s
+    ("greedy"; "group_limited_greedy" keeps the topk_group groups with the highest single score), weights s[idx]
+    (renormalised only if norm_topk_prob) times routed_scaling_factor.
     """
 
     def __init__(self, cfg: K2Config):
         super().__init__()
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.scoring_func, self.topk_method = cfg.scoring_func, cfg.topk_method
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))  # [E, D]
-        self.e_score_correction_bias: torch.Tensor
-        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.e_score_correction_bias: torch.Tensor | None
+        bias = torch.zeros(cfg.n_routed_experts, dtype=torch.float32) if cfg.has_correction_bias else None
+        self.register_buffer("e_score_correction_bias", bias)
         self.hook_logits = HookPoint()  # [B, T, E] float32
-        self.hook_scores = HookPoint()  # [B, T, E] sigmoid(logits)
-        self.hook_choice_scores = HookPoint()  # [B, T, E] scores + correction bias
+        self.hook_scores = HookPoint()  # [B, T, E] sigmoid(logits), or softmax(logits) for a softmax router
+        self.hook_choice_scores = HookPoint()  # [B, T, E] scores + correction bias (the scores without one)
         self.hook_topk_idx = HookPoint()  # [B, T, k] chosen experts (int64); replacing it re-routes
         self.hook_topk_weights = HookPoint()  # [B, T, k] float32 weights of the chosen experts
 
@@ -61,16 +68,23 @@ class Router(nn.Module):
         # would change which experts are chosen. Devices still follow.
         bias = self.e_score_correction_bias
         super()._apply(fn, recurse)
-        self.e_score_correction_bias = bias.to(self.e_score_correction_bias.device)
+        if bias is not None:
+            self.e_score_correction_bias = bias.to(self.e_score_correction_bias.device)
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.hook_logits(F.linear(x.float(), self.weight.float()))  # [B, T, E]
-        scores = self.hook_scores(logits.sigmoid())
-        choice = self.hook_choice_scores(scores + self.e_score_correction_bias)
+        if self.scoring_func == "sigmoid":
+            scores = self.hook_scores(logits.sigmoid())
+            choice = self.hook_choice_scores(scores + self.e_score_correction_bias)
+        else:
+            scores = self.hook_scores(logits.softmax(dim=-1))
+            choice = self.hook_choice_scores(scores)
         if self.n_group > 1:
             grouped = choice.unflatten(-1, (self.n_group, -1))  # [B, T, G, E/G]
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [B, T, G]
+            # noaux_tc scores a group by its top-2 choice scores, group_limited_greedy by its best one.
+            best = 2 if self.topk_method == "noaux_tc" else 1
+            group_scores = grouped.topk(best, dim=-1).values.sum(-1)  # [B, T, G]
             kept = group_scores.topk(self.topk_group, dim=-1).indices  # [B, T, topk_group]
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, kept, True)
             choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)  # [B, T, E]

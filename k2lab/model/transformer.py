@@ -82,7 +82,7 @@ class K2Model(HookedModule):
             else:
                 p.copy_(torch.randn(p.shape, generator=generator) * std)
         for layer in self.layers:
-            if isinstance(layer.mlp, MoE):
+            if isinstance(layer.mlp, MoE) and layer.mlp.gate.e_score_correction_bias is not None:
                 layer.mlp.gate.e_score_correction_bias.zero_()
 
     @property

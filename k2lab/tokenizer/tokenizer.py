@@ -29,6 +29,7 @@ from tokenizers.models import BPE
 
 from .chat import chat_segments
 from .ranks import TokenizerFileError, byte_level, load_ranks, recover_merges
+from .template import encode_with_template, find_chat_template
 
 # Kimi K2's pre-tokenizer (`pat_str` in the release's tokenization_kimi.py): Han runs on their own, then
 # GPT-4-style words, 1-3 digit numbers, punctuation runs, newlines and other whitespace. Letters exclude
@@ -162,9 +163,11 @@ class K2Tokenizer:
         eos_token: str,
         allow_special: bool = True,
         name: str = "",
+        chat_template: str | None = None,
     ) -> None:
         self.name = name
         self.allow_special = allow_special
+        self.chat_template = chat_template  # the checkpoint's own jinja layout; None: the hand-written K2 layout
         self.special_tokens = dict(sorted(special_tokens.items(), key=lambda item: item[1]))
         self.bos_id = self.special_tokens[bos_token]
         self.eos_id = self.special_tokens[eos_token]
@@ -297,13 +300,18 @@ class K2Tokenizer:
         add_generation_prompt: bool = True,
         allow_special: bool | None = None,
     ) -> list[int]:
-        """Token ids of a conversation in Kimi-K2-Instruct's chat format (see k2lab.tokenizer.chat).
+        """Token ids of a conversation: rendered by the checkpoint's own chat template where the tokenizer folder
+        ships one (``chat_template``, see k2lab.tokenizer.template), else in Kimi-K2-Instruct's layout written out
+        in k2lab.tokenizer.chat (K2-nano ships no template).
 
-        The template's own markers always become control tokens. Text inside the messages follows the
+        The layout's own markers always become control tokens. Text inside the messages follows the
         special-token policy: with allow_special=True (the release's behaviour) the result equals
-        encode(render_chat(...)); with False, a marker typed inside a message stays plain text.
+        encode(render_chat(...)); with False, a marker typed inside a message stays plain text. A shipped template
+        renders one string, so there a marker inside a message is refused under allow_special=False.
         """
         allow = self.allow_special if allow_special is None else allow_special
+        if self.chat_template is not None:
+            return encode_with_template(self, messages, tools, add_generation_prompt, allow)
         ids: list[int] = []
         text = ""
         for segment, is_control in chat_segments(messages, tools, add_generation_prompt):
@@ -349,15 +357,44 @@ def _resolve_files(path_or_repo_id: str | Path, revision: str | None) -> tuple[P
     return files[0], files[1]
 
 
+def find_tokenizer_json(path_or_repo_id: str | Path, revision: str | None) -> Path | None:
+    """The folder of a ``tokenizer.json`` release (DeepSeek's), where there is no K2-style ``tiktoken.model``: a
+    local folder, or from the Hub (or its cache) a repo without a rank file. None for K2's layout."""
+    local = Path(path_or_repo_id).expanduser()
+    if local.is_dir():
+        has_json = (local / "tokenizer.json").is_file() and not (local / RANKS_FILE).is_file()
+        return local if has_json else None
+    from huggingface_hub import hf_hub_download
+
+    try:
+        hf_hub_download(str(path_or_repo_id), RANKS_FILE, revision=revision)
+        return None
+    except Exception:  # no rank file (or no Hub): a tokenizer.json release, if there is one
+        pass
+    try:
+        folder = Path(hf_hub_download(str(path_or_repo_id), "tokenizer.json", revision=revision)).parent
+        hf_hub_download(str(path_or_repo_id), CONFIG_FILE, revision=revision)
+    except Exception:  # neither layout: _resolve_files names what is missing
+        return None
+    return folder
+
+
 def load_tokenizer(
     path_or_repo_id: str | Path, *, revision: str | None = None, allow_special: bool = True
 ) -> K2Tokenizer:
-    """Load a tokenizer in K2's release layout (tiktoken.model + tokenizer_config.json).
+    """Load a tokenizer in K2's release layout (tiktoken.model + tokenizer_config.json), or a ``tokenizer.json``
+    release (DeepSeek-V3/R1/V3.1/V2), read with `tokenizers` directly (k2lab.tokenizer.tokenizer_json). The chat
+    template the folder ships, if any, lays out ``apply_chat_template``.
 
     `path_or_repo_id` is a local directory or a Hub repo id (e.g. "moonshotai/Kimi-K2-Instruct"); for a
     repo only those two files are fetched, through the Hub cache, so HF_HUB_OFFLINE=1 works once they are
     cached. `allow_special` sets the default special-token policy of encode (see K2Tokenizer).
     """
+    tokenizer_json = find_tokenizer_json(path_or_repo_id, revision)
+    if tokenizer_json is not None:
+        from .tokenizer_json import load_tokenizer_json
+
+        return load_tokenizer_json(tokenizer_json, allow_special=allow_special, name=str(path_or_repo_id))
     ranks_path, config_path = _resolve_files(path_or_repo_id, revision)
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
@@ -371,4 +408,5 @@ def load_tokenizer(
         names[role] = value["content"] if isinstance(value, dict) else value
         if names[role] not in specials:
             raise TokenizerFileError(f"{config_path}: {role} {names[role]!r} is not one of the special tokens")
-    return K2Tokenizer(ranks, specials, allow_special=allow_special, name=str(path_or_repo_id), **names)
+    return K2Tokenizer(ranks, specials, allow_special=allow_special, name=str(path_or_repo_id),
+                       chat_template=find_chat_template(config_path.parent, config), **names)

@@ -1,7 +1,9 @@
-"""config.json <-> K2Config: Kimi's release layout, HF transformers 5 (``rope_parameters``) and DeepseekV3 configs.
+"""config.json <-> K2Config: Kimi's release layout, HF transformers 5 (``rope_parameters``), DeepseekV3 and V2 configs.
 
-Anything k2lab does not implement (another scoring function, MTP layers, an unknown quantization, ...) is
-refused by name rather than approximated.
+The family read here: Kimi K2 (Base, Instruct, 0905, Thinking), Moonlight, DeepSeek-V3 / R1 / V3.1 (their
+multi-token-prediction block is counted, not loaded) and DeepSeek-V2(-Lite) (softmax router). Models that need
+machinery k2lab does not have (V3.2's sparse-attention indexer, Kimi-Linear's delta attention, ...) and anything
+else k2lab does not implement are refused by name rather than approximated.
 """
 
 from __future__ import annotations
@@ -21,14 +23,23 @@ _IGNORED_KEYS = frozenset(
         "initializer_range", "pretraining_tp", "aux_loss_alpha", "seq_aux", "output_router_logits",
         "pad_token_id", "attention_dropout", "ep_size", "head_dim", "qk_head_dim", "moe_layer_freq",
         "_name_or_path", "model_type", "quantization_config", "rope_scaling", "rope_parameters", "rope_theta",
-        "num_nextn_predict_layers", "num_mtp_layers", "scoring_func", "topk_method", "hidden_act",
-        "attention_bias", "tie_word_embeddings", "num_key_value_heads", "eos_token_id", "bos_token_id",
+        "num_mtp_layers", "hidden_act",
+        "attention_bias", "mlp_bias", "tie_word_embeddings", "num_key_value_heads", "eos_token_id", "bos_token_id",
         "output_attentions", "output_hidden_states", "return_dict", "chunk_size_feed_forward",
         "is_encoder_decoder", "tokenizer_class", "name_or_path", "id2label", "label2id", "problem_type",
         "rope_interleave", "max_window_layers", "use_sliding_window", "sliding_window",
     }
 )
-_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
+_MODEL_TYPES = ("kimi_k2", "deepseek_v3", "deepseek_v2")
+# Relatives whose configs look alike but whose attention k2lab does not implement: what each lacks.
+_REFUSED_MODEL_TYPES = {
+    "deepseek_v32": "DeepSeek-V3.2's DeepSeek Sparse Attention: a lightning indexer (index_topk, index_n_heads, "
+                    "index_head_dim) that picks the keys each query attends to",
+    "kimi_linear": "Kimi-Linear's Kimi Delta Attention (linear_attn_config: kda_layers, short convolutions, gated "
+                   "delta-rule state) interleaved with MLA",
+}
+_REFUSED_KEYS = {"index_topk": "deepseek_v32", "index_n_heads": "deepseek_v32", "index_head_dim": "deepseek_v32",
+                 "linear_attn_config": "kimi_linear"}
 
 
 def config_from_hf(source: str | Path | dict) -> K2Config:
@@ -68,10 +79,13 @@ def config_to_hf(cfg: K2Config) -> dict[str, Any]:
             beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow, mscale=cfg.mscale,
             mscale_all_dim=cfg.mscale_all_dim,
         )
+    # A softmax router is DeepSeek-V2's: written as a V2 config, which HF's DeepseekV2 reads as such.
+    v2 = cfg.scoring_func == "softmax"
     out.update(
-        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_act="silu",
+        architectures=["DeepseekV2ForCausalLM" if v2 else "DeepseekV3ForCausalLM"],
+        model_type="deepseek_v2" if v2 else "deepseek_v3", hidden_act="silu",
         num_key_value_heads=cfg.num_attention_heads, attention_bias=False, tie_word_embeddings=False,
-        scoring_func="sigmoid", topk_method="noaux_tc", num_nextn_predict_layers=0, rope_parameters=rope,
+        rope_parameters=rope,
     )
     if cfg.fp8_block_size is not None:
         out["quantization_config"] = {
@@ -89,19 +103,24 @@ def _require(raw: dict, key: str, allowed: tuple, where: str, default: Any = Non
 
 def _fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
     """Translate and check a HF config dict into K2Config keyword arguments."""
+    raw = _accept_scale_fmt(raw, where)
+    model_type = raw.get("model_type", "deepseek_v3")
+    refused = _REFUSED_MODEL_TYPES.get(model_type) or next(
+        (_REFUSED_MODEL_TYPES[kind] for key, kind in _REFUSED_KEYS.items() if key in raw), None)
+    if refused is not None:
+        raise ValueError(f"{where}: model_type {model_type!r} needs {refused}, which k2lab does not implement")
     _require(raw, "model_type", _MODEL_TYPES, where, default="deepseek_v3")
     _require(raw, "hidden_act", ("silu",), where, default="silu")
-    _require(raw, "scoring_func", ("sigmoid",), where, default="sigmoid")
-    _require(raw, "topk_method", ("noaux_tc",), where, default="noaux_tc")
     _require(raw, "attention_bias", (False,), where, default=False)
+    _require(raw, "mlp_bias", (False,), where, default=False)
     _require(raw, "tie_word_embeddings", (False,), where, default=False)
     _require(raw, "moe_layer_freq", (1,), where, default=1)
-    for mtp_key in ("num_nextn_predict_layers", "num_mtp_layers"):
-        if raw.get(mtp_key, 0):
-            raise ValueError(
-                f"{where}: {mtp_key}={raw[mtp_key]} asks for multi-token-prediction layers, which k2lab does not "
-                "implement; set it to 0 to use the main model alone"
-            )
+    if raw.get("num_mtp_layers", 0):
+        raise ValueError(f"{where}: num_mtp_layers={raw['num_mtp_layers']}: k2lab reads DeepSeek's MTP layout, "
+                         "num_nextn_predict_layers (blocks model.layers.{num_hidden_layers + i}.*)")
+    if model_type == "deepseek_v2" and raw.get("norm_topk_prob") and raw.get("routed_scaling_factor", 1.0) != 1.0:
+        raise ValueError(f"{where}: DeepSeek-V2 renormalises OR scales the top-k weights, k2lab (as V3) does both: "
+                         f"norm_topk_prob=true with routed_scaling_factor={raw['routed_scaling_factor']} is ambiguous")
     heads = raw.get("num_attention_heads")
     if raw.get("num_key_value_heads", heads) != heads:
         raise ValueError(
@@ -127,6 +146,14 @@ def _fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
     fields.setdefault("rope_interleave", True)
     fields.setdefault("n_group", 1)
     fields.setdefault("topk_group", 1)
+    # DeepSeek-V2's released defaults differ from V3's: softmax scores, greedy top-k, no renormalisation.
+    v2 = model_type == "deepseek_v2"
+    fields.setdefault("scoring_func", "softmax" if v2 else "sigmoid")
+    fields.setdefault("topk_method", "greedy" if v2 else "noaux_tc")
+    fields.setdefault("norm_topk_prob", not v2)
+    fields.setdefault("routed_scaling_factor", 1.0 if v2 else K2Config.routed_scaling_factor)
+    if fields.get("num_nextn_predict_layers") is None:
+        fields["num_nextn_predict_layers"] = 0
     fields.update(_rope_from_hf(raw, where))
     fields["fp8_block_size"] = _quantization_from_hf(raw.get("quantization_config"), where)
     if "n_shared_experts" in raw and raw["n_shared_experts"] is None:
@@ -135,6 +162,19 @@ def _fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
         if fields[key] is None:
             fields[key] = 1
     return fields
+
+
+def _accept_scale_fmt(raw: dict, where: str) -> dict:
+    """DeepSeek-V3.1's FP8 ``quantization_config`` adds ``scale_fmt: "ue8m0"``: its block scales are powers of two
+    (an unsigned 8-bit exponent, no mantissa), for kernels that also round their activation scales so. The stored
+    ``weight_scale_inv`` stays float32, so dequantizing weight block * scale_inv is unchanged: accepted and dropped."""
+    quant = raw.get("quantization_config")
+    if not isinstance(quant, dict) or "scale_fmt" not in quant:
+        return raw
+    if quant["scale_fmt"] not in ("ue8m0", None):
+        raise ValueError(f"{where}: quantization_config scale_fmt={quant['scale_fmt']!r} is not implemented by k2lab "
+                         "(supported: 'ue8m0', power-of-two float32 scales)")
+    return raw | {"quantization_config": {k: v for k, v in quant.items() if k != "scale_fmt"}}
 
 
 def _rope_from_hf(raw: dict, where: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ Each step can fail before the next begins, and nothing is returned until the las
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +26,11 @@ from ..model.transformer import K2Model
 from ..weights import hub
 from .placement import DeviceMap, resolve_device_map, unit_of
 from .quant.fp8 import EXPERT_PROJS, FP8Linear, FP8RoutedExperts
-from .reader import DTYPES, Checkpoint, StoredWeight
+from .reader import DTYPES, Checkpoint, StoredWeight, is_mtp_tensor
 from .streaming import ExpertCache, StreamedExperts
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+logger = logging.getLogger(__name__)
 _PROGRESS_BYTES = 2**30  # loads reading more than this show a progress bar unless told otherwise
 
 
@@ -52,6 +54,9 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
         GPUs yes; on the CPU no (dequantized once at load).
     progress: tqdm bars for downloads and reads. Default: only for reads over 1 GiB.
 
+    ``model.load_notes`` lists what was left out on purpose: DeepSeek-V3/R1/V3.1's multi-token-prediction block
+    (``model.layers.61.*``) is counted by ``count_parameters(cfg).mtp`` but not loaded.
+
     Raises naming the file and tensor: a missing shard, a tensor absent from the index, a shape that disagrees
     with config.json, a corrupt or truncated file, an unsupported dtype or quantization.
     """
@@ -73,7 +78,23 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
     model.load_state_dict(assembly.state(streamed=cache is not None, progress=progress), strict=True, assign=True)
     if cache is not None:
         model.expert_cache = cache
+    model.load_notes = _mtp_notes(checkpoint, full)
     return model
+
+
+def _mtp_notes(checkpoint: Checkpoint, cfg: K2Config) -> list[str]:
+    """What the load left out on purpose: the multi-token-prediction blocks, named in ``model.load_notes``."""
+    skipped = [n for n in checkpoint.weight_map if is_mtp_tensor(n, cfg)]
+    if not skipped:
+        return []
+    first = cfg.num_hidden_layers
+    blocks = f"model.layers.{first}.*" if cfg.num_nextn_predict_layers == 1 else \
+        f"model.layers.{first}..{first + cfg.num_nextn_predict_layers - 1}.*"
+    note = (f"skipped {len(skipped)} tensors of the multi-token-prediction block(s) {blocks} "
+            f"(num_nextn_predict_layers={cfg.num_nextn_predict_layers}): they draft the token after next for "
+            "speculative decoding and play no part in the main model's logits, which k2lab computes")
+    logger.info(note)
+    return [note]
 
 
 def slice_layers(cfg: K2Config, num_layers: int | None) -> K2Config:
@@ -82,8 +103,8 @@ def slice_layers(cfg: K2Config, num_layers: int | None) -> K2Config:
         return cfg
     if not 1 <= num_layers <= cfg.num_hidden_layers:
         raise ValueError(f"num_layers={num_layers}: choose 1..{cfg.num_hidden_layers}, the blocks the checkpoint has")
-    return cfg.replace(num_hidden_layers=num_layers,
-                       first_k_dense_replace=min(cfg.first_k_dense_replace, num_layers))
+    return cfg.replace(num_hidden_layers=num_layers, first_k_dense_replace=min(cfg.first_k_dense_replace, num_layers),
+                       num_nextn_predict_layers=0)  # a prefix has no MTP block after it
 
 
 def _source_folder(path_or_repo_id: str | Path, revision: str | None, num_layers: int | None,

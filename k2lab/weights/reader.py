@@ -119,10 +119,12 @@ class Checkpoint:
         return self._headers[file]
 
     def check_unexpected(self, cfg: K2Config) -> None:
-        """Refuse tensors the model of ``cfg`` has no place for (stale rotary buffers aside)."""
+        """Refuse tensors the model of ``cfg`` has no place for (stale rotary buffers and the multi-token-prediction
+        blocks config.json announces aside: see ``mtp_tensors``)."""
         specs = checkpoint_tensors(cfg)
         expected = {s.name for s in specs} | {s.name + SCALE_SUFFIX for s in specs if s.fp8}
-        unexpected = sorted(n for n in self.weight_map if n not in expected and not IGNORED_TENSORS.match(n))
+        unexpected = sorted(n for n in self.weight_map if n not in expected and not IGNORED_TENSORS.match(n)
+                            and not is_mtp_tensor(n, cfg))
         if unexpected:
             more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
             raise CheckpointError(f"{self.source}: tensors not in the model config.json describes: "
@@ -185,6 +187,15 @@ class Checkpoint:
         if weight.scale is not None:
             return dequantize(tensor, self.read(weight.scale, device), weight.block, dtype or torch.bfloat16)
         return tensor if dtype is None else tensor.to(dtype)
+
+
+def is_mtp_tensor(name: str, cfg: K2Config) -> bool:
+    """Whether ``name`` belongs to one of the multi-token-prediction blocks after the main ones."""
+    if not name.startswith("model.layers."):
+        return False
+    layer = name.split(".")[2]
+    first = cfg.num_hidden_layers
+    return layer.isdigit() and first <= int(layer) < first + cfg.num_nextn_predict_layers
 
 
 def read_weight_map(index: Path) -> dict[str, str]:
