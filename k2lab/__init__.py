@@ -12,20 +12,56 @@ The package's rooms, in the direction data flows:
     lab/         the notebooks' settings and the bundled K2-nano
 """
 
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
-from .analysis import interventions, routing
-from .analysis.accounting import count_parameters, kv_cache_bytes, weight_bytes
 from .config import K2Config
-from .lab.nano import load_nano
-from .model import K2Model, LatentCache, generate
-from .tokenizer import K2Tokenizer, load_tokenizer
-from .weights import load, plan
 
 try:
     __version__ = version("k2lab")
 except PackageNotFoundError:  # a source tree on sys.path without an install
     __version__ = "0.0.0+unknown"
+
+# The public names, each imported from its room on first use, so that ``import k2lab.model`` runs no checkpoint,
+# tokenizer or analysis code, and ``import k2lab`` stays quick. name -> (module, attribute or None for the module).
+_LAZY = {
+    "K2Model": ("k2lab.model", "K2Model"),
+    "LatentCache": ("k2lab.model", "LatentCache"),
+    "generate": ("k2lab.model", "generate"),
+    "load": ("k2lab.weights", "load"),
+    "plan": ("k2lab.weights", "plan"),
+    "K2Tokenizer": ("k2lab.tokenizer", "K2Tokenizer"),
+    "load_tokenizer": ("k2lab.tokenizer", "load_tokenizer"),
+    "load_nano": ("k2lab.lab.nano", "load_nano"),
+    "count_parameters": ("k2lab.analysis.accounting", "count_parameters"),
+    "kv_cache_bytes": ("k2lab.analysis.accounting", "kv_cache_bytes"),
+    "weight_bytes": ("k2lab.analysis.accounting", "weight_bytes"),
+    "interventions": ("k2lab.analysis.interventions", None),
+    "routing": ("k2lab.analysis.routing", None),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'k2lab' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    value = import_module(module) if attribute is None else getattr(import_module(module), attribute)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from .analysis import interventions, routing
+    from .analysis.accounting import count_parameters, kv_cache_bytes, weight_bytes
+    from .lab.nano import load_nano
+    from .model import K2Model, LatentCache, generate
+    from .tokenizer import K2Tokenizer, load_tokenizer
+    from .weights import load, plan
 
 __all__ = [
     "K2Config", "K2Model", "K2Tokenizer", "LatentCache", "__version__", "count_parameters", "generate",

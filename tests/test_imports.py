@@ -11,17 +11,6 @@ import sys
 FIGURES = ["plotly", "ipywidgets"]
 CHECKPOINTS_AND_TEXT = ["safetensors", "huggingface_hub", "tokenizers"]
 
-# ``import k2lab.model`` runs k2lab/__init__.py first, which re-exports the whole public API (load, load_tokenizer,
-# ...). The model package's own imports are checked by importing it under a bare ``k2lab`` package object whose
-# __init__ does not run, so whatever k2lab.model pulls in, it pulls in itself.
-BARE_PACKAGE = """
-import importlib.util, sys, types
-spec = importlib.util.find_spec("k2lab")
-bare = types.ModuleType("k2lab")
-bare.__path__ = list(spec.submodule_search_locations)
-sys.modules["k2lab"] = bare
-"""
-
 
 def _modules_after(code: str) -> set[str]:
     """The names in sys.modules after running ``code`` in a fresh interpreter."""
@@ -35,14 +24,17 @@ def _loaded(modules: set[str], roots: list[str]) -> list[str]:
 
 
 def test_the_model_package_imports_no_checkpoint_tokenizer_figure_or_analysis_code():
-    modules = _modules_after(BARE_PACKAGE + "import k2lab.model")
+    modules = _modules_after("import k2lab.model")
     assert "k2lab.model.transformer" in modules  # the check did import the model
     assert _loaded(modules, FIGURES + CHECKPOINTS_AND_TEXT) == []
     assert _loaded(modules, ["k2lab.analysis", "k2lab.weights", "k2lab.tokenizer", "k2lab.viz"]) == []
 
 
-def test_import_k2lab_loads_no_figure_library():
+def test_import_k2lab_loads_no_figure_library_and_its_names_load_on_use():
     modules = _modules_after("import k2lab")
+    assert _loaded(modules, FIGURES + ["k2lab.viz"]) == []
+    modules = _modules_after("import k2lab\nk2lab.load_nano\nk2lab.routing.trace\nk2lab.count_parameters")
+    assert "k2lab.weights.load" in modules and "k2lab.analysis.routing" in modules
     assert _loaded(modules, FIGURES + ["k2lab.viz"]) == []
 
 
