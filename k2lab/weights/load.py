@@ -73,7 +73,17 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
     model.load_state_dict(assembly.state(streamed=cache is not None, progress=progress), strict=True, assign=True)
     if cache is not None:
         model.expert_cache = cache
+    model.tokenizer = _tokenizer_in(folder)
     return model
+
+
+def _tokenizer_in(folder: Path):
+    """The tokenizer shipped beside the weights (tiktoken.model and tokenizer_config.json), or None."""
+    from ..tokenizer.tokenizer import CONFIG_FILE, RANKS_FILE, load_tokenizer
+
+    if (folder / RANKS_FILE).is_file() and (folder / CONFIG_FILE).is_file():
+        return load_tokenizer(folder)
+    return None
 
 
 def slice_layers(cfg: K2Config, num_layers: int | None) -> K2Config:
