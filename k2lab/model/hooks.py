@@ -91,10 +91,16 @@ class HookPoint(nn.Module):
 
     @property
     def active(self) -> bool:
-        """True when something reads this probe: a k2lab hook, a PyTorch forward (pre-)hook, or a wrapper that took
-        over ``forward`` (nnsight does, and cannot say ahead which probes a trace will read). The caller then
-        materialises what the probe shows (attention patterns leave the fused kernel)."""
-        return bool(self.fns or self._forward_hooks or self._forward_pre_hooks or "forward" in self.__dict__)
+        """True when something may read this probe: a k2lab hook, a PyTorch forward (pre-)hook, or a wrapper that took
+        over ``forward`` while it runs (an nnsight trace, which cannot say ahead which probes it will read). The
+        caller then materialises what the probe shows (attention patterns leave the fused kernel)."""
+        if self.fns or self._forward_hooks or self._forward_pre_hooks:
+            return True
+        if "forward" not in self.__dict__:
+            return False
+        # nnsight keeps its wrapper installed after a trace and records here whether one of its traces is running.
+        nnsight_trace = getattr(self.__dict__.get("__nnsight__"), "active", None)
+        return nnsight_trace()[0] is not None if callable(nnsight_trace) else True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for fn in tuple(self.fns):  # a copy: a hook may detach hooks (reset_hooks) while they run
