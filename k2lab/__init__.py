@@ -18,7 +18,7 @@ from .analysis import interventions, routing
 from .analysis.accounting import count_parameters, kv_cache_bytes, weight_bytes
 from .config import K2Config
 from .lab.nano import load_nano
-from .model import K2Model, LatentCache, generate
+from .model import K2Model, LatentCache, generate, get_act_name
 from .tokenizer import K2Tokenizer, load_tokenizer
 from .weights import load, plan
 
@@ -29,5 +29,6 @@ except PackageNotFoundError:  # a source tree on sys.path without an install
 
 __all__ = [
     "K2Config", "K2Model", "K2Tokenizer", "LatentCache", "__version__", "count_parameters", "generate",
-    "interventions", "kv_cache_bytes", "load", "load_nano", "load_tokenizer", "plan", "routing", "weight_bytes",
+    "get_act_name", "interventions", "kv_cache_bytes", "load", "load_nano", "load_tokenizer", "plan", "routing",
+    "weight_bytes",
 ]

@@ -265,6 +265,7 @@ class K2Model(HookedModule):
             return ids, check_attention_mask(attention_mask, *ids.shape)
         if attention_mask is not None:
             raise ValueError("attention_mask is made by the tokenizer for text input; pass ids to give your own")
+        self._require_tokenizer("text input")
         ids, mask = self.to_tokens(input_ids, return_mask=True)
         return ids, (None if bool(mask.all()) else mask.bool())
 
