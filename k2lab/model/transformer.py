@@ -174,7 +174,9 @@ class K2Model(HookedModule):
                           ) -> torch.Tensor:
         """The forward up to the head: the final normalised residual [B, T, D] (``norm.hook_out``), which the
         head turns into logits. Training feeds it to the head chunk by chunk (``k2lab.loss``)."""
-        if self._running and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # a compiled training step: no hook runs the model inside it
+            return self._hidden(input_ids, cache, attn_impl, attention_mask)
+        if self._running:
             raise RuntimeError("the model was called while its own forward is running, from a hook: every hook "
                                "fires again in the inner forward, so this would recurse without end. Record what "
                                "you need first (run_with_cache), then run the edited forward")
