@@ -85,7 +85,7 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
             raise ValueError("attention_mask is made by the tokenizer for text input; pass ids to give your own")
         if tokenizer is None:
             tokenizer = model._require_tokenizer("generate on text")
-        input_ids, attention_mask = model.to_tokens(text, padding_side="left", return_mask=True)
+        input_ids, attention_mask = tokenizer.encode_padded([text] if isinstance(text, str) else list(text))
     ids = torch.as_tensor(input_ids, device=model.device)
     ids = ids[None] if ids.dim() == 1 else ids
     mask = None

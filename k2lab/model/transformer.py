@@ -138,6 +138,8 @@ class K2Model(HookedModule):
         """
         if return_type not in ("logits", "loss", "both"):
             raise ValueError(f"return_type must be 'logits', 'loss' or 'both', got {return_type!r}")
+        if loss_per_token and return_type == "logits":
+            raise ValueError("loss_per_token=True asks for a loss: use return_type='loss' or 'both'")
         ids, attention_mask = self._ids_and_mask(input_ids, attention_mask)
         x = self.last_hidden_state(ids, cache, attn_impl, attention_mask=attention_mask)  # [B, T, D]
         if return_type == "logits":

@@ -81,6 +81,8 @@ def test_probed_logits_fire_even_for_the_loss(model, ids):
 def test_bad_loss_requests(model, ids):
     with pytest.raises(ValueError, match="return_type must be 'logits', 'loss' or 'both', got 'probs'"):
         model(ids, return_type="probs")
+    with pytest.raises(ValueError, match="loss_per_token=True asks for a loss"):
+        model(ids, loss_per_token=True)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         model(ids[:, :1], return_type="loss")
     with pytest.raises(ValueError, match="no position has both a real token"):
