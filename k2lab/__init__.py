@@ -29,6 +29,7 @@ _LAZY = {
     "K2Model": ("k2lab.model", "K2Model"),
     "LatentCache": ("k2lab.model", "LatentCache"),
     "generate": ("k2lab.model", "generate"),
+    "get_act_name": ("k2lab.model", "get_act_name"),
     "load": ("k2lab.weights", "load"),
     "plan": ("k2lab.weights", "plan"),
     "K2Tokenizer": ("k2lab.tokenizer", "K2Tokenizer"),
@@ -65,5 +66,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
 
 __all__ = [
     "K2Config", "K2Model", "K2Tokenizer", "LatentCache", "__version__", "count_parameters", "generate",
-    "interventions", "kv_cache_bytes", "load", "load_nano", "load_tokenizer", "plan", "routing", "weight_bytes",
+    "get_act_name", "interventions", "kv_cache_bytes", "load", "load_nano", "load_tokenizer", "plan", "routing",
+    "weight_bytes",
 ]

@@ -6,6 +6,9 @@
     cache.logit_lens()                              # [L, B, T, V]: final norm + head on every layer's output
     parts = cache.decompose_resid()                 # embedding + attention + MLP (+ shared, routed, slots)
     attr = cache.logit_attribution(token_id)        # the same parts, each projected onto one logit
+    cache["resid_post", 3], cache["pattern", -1]    # TransformerLens habits: short names (k2lab.get_act_name)
+    stack, labels = cache.accumulated_resid(return_labels=True)   # [C, B, T, D] the residual after each block
+    cache.apply_ln_to_stack(stack) @ model.lm_head.weight.T       # through the final norm (scale frozen): logit lens
 
 The residual stream is a sum: every block adds its attention and feed-forward outputs to what came before, so the
 input of the final norm is
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from ..model.hooks import MODEL_PROBES, get_act_name
 
 if TYPE_CHECKING:
     from ..model.transformer import K2Model
@@ -105,21 +110,44 @@ class ResidDecomposition:
 
 
 class ActivationCache(Mapping[str, torch.Tensor]):
-    """Probe name -> recorded tensor (detached), for one forward of ``model``. A read-only mapping."""
+    """Probe name -> recorded tensor (detached), for one forward of ``model``. A read-only mapping.
+
+    Keys are probe names; a ``(short name, layer)`` pair or a model-level short name also works, as in
+    TransformerLens: ``cache["resid_post", 3]``, ``cache["topk_idx", -1]`` (the last layer), ``cache["logits"]``
+    (see ``k2lab.get_act_name``). Gradients from ``run_with_cache(incl_bwd=True)`` are under ``name + "_grad"``.
+    """
 
     def __init__(self, activations: dict[str, torch.Tensor], model: K2Model):
         self._acts = activations
         self.model = model
 
     # ---- the mapping -------------------------------------------------------------------------------------------------
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str | tuple[str, int]) -> torch.Tensor:
+        name = self._name(name)
         if name not in self._acts:
             close = difflib.get_close_matches(name, self._acts, n=5, cutoff=0.5)
             raise KeyError(f"{name!r} is not in this cache; closest: {close or 'none'} (cache.keys() lists all)")
         return self._acts[name]
 
     def __contains__(self, name: object) -> bool:
-        return name in self._acts
+        try:
+            return self._name(name) in self._acts  # type: ignore[arg-type]
+        except (KeyError, ValueError, TypeError):
+            return False
+
+    def _name(self, key: str | tuple[str, int]) -> str:
+        """A probe name from a name, a short model-level name, or a (short name, layer) pair (layer may be < 0)."""
+        if isinstance(key, tuple):
+            if len(key) != 2 or not isinstance(key[1], int):
+                raise KeyError(f"a cache key is a probe name or a (short name, layer) pair, got {key!r}")
+            short, layer = key
+            L = len(self.model.layers)
+            if not -L <= layer < L:
+                raise KeyError(f"layer {layer} out of range for {L} layers")
+            return get_act_name(short, layer % L)
+        if isinstance(key, str) and key not in self._acts and key in MODEL_PROBES:
+            return MODEL_PROBES[key]
+        return key
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._acts)
@@ -252,6 +280,53 @@ class ActivationCache(Mapping[str, torch.Tensor]):
             return (t.float() * r).sum(-1) if t.numel() else t.float()
 
         return parts.map(project)
+
+    # ---- TransformerLens's residual-stream helpers -------------------------------------------------------------------
+    def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False, pos: Pos = None,
+                          apply_ln: bool = False, return_labels: bool = False
+                          ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
+        """[C, B, T, D]: the residual stream as it stood before each block, up to ``layer``, as TransformerLens
+        stacks it: ``resid_pre`` of layers 0..layer (``"{l}_pre"``), with ``incl_mid`` also each ``resid_mid`` before
+        ``layer`` (``"{l}_mid"``); ``layer=None`` (or the number of layers) ends with the final residual
+        (``"final_post"``, the final norm's input). ``pos`` selects positions; ``apply_ln`` passes the stack through
+        ``apply_ln_to_stack``; ``return_labels`` also returns the labels."""
+        L = len(self.model.layers)
+        layer = L if layer is None else layer
+        if not 0 <= layer <= L:
+            raise ValueError(f"layer must lie in 0..{L} (or None for all), got {layer}")
+        labels, names = [], []
+        for i in range(layer + 1):
+            if i == L:
+                labels.append("final_post")
+                names.append(f"layers.{L - 1}.hook_resid_post")
+                break
+            labels.append(f"{i}_pre")
+            names.append(f"layers.{i}.hook_resid_pre")
+            if incl_mid and i < layer:
+                labels.append(f"{i}_mid")
+                names.append(f"layers.{i}.hook_resid_mid")
+        self._require("accumulated_resid", names)
+        stack = torch.stack([_at(self[n].to(self[names[0]].device), pos) for n in names])  # [C, B, (T,) D]
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, pos=pos)
+        return (stack, labels) if return_labels else stack
+
+    def apply_ln_to_stack(self, stack: torch.Tensor, pos: Pos = None) -> torch.Tensor:
+        """[..., B, (T,) D] float32: each row of ``stack`` scaled as the final norm scales the final residual x,
+
+            row -> g * row / rms(x),       rms(x) = sqrt(mean(x^2) + eps)   (frozen at x, as TransformerLens does)
+
+        so rows that sum to x come out summing to the final norm's output, and ``@ model.lm_head.weight.T`` turns
+        each into its direct contribution to the logits. ``pos`` must be what selected the stack's positions."""
+        L = len(self.model.layers)
+        self._require("apply_ln_to_stack", [f"layers.{L - 1}.hook_resid_post"])
+        x = _at(self[f"layers.{L - 1}.hook_resid_post"], pos).float()  # [B, (T,) D]
+        if tuple(stack.shape[stack.dim() - x.dim() :]) != tuple(x.shape):
+            raise ValueError(f"a stack of shape {tuple(stack.shape)} does not end with the final residual's "
+                             f"{tuple(x.shape)} at pos={pos!r}; pass the pos the stack was made with")
+        norm = self.model.norm
+        inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)  # [B, (T,) 1]
+        return stack.float() * norm.weight.to(x.device, torch.float32) * inv_rms.to(stack.device)
 
     def _require(self, what: str, names: list[str]) -> None:
         missing = [n for n in names if n not in self]

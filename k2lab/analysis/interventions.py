@@ -260,3 +260,50 @@ def _position_mask(positions: Positions, B: int, T: int, device: torch.device) -
     mask = torch.zeros(T, dtype=torch.bool, device=device)
     mask[positions if isinstance(positions, int | slice) else torch.as_tensor(positions, device=device)] = True
     return mask.expand(B, T)
+
+
+def attribution_patch(model: K2Model, clean_ids: torch.Tensor, corrupt_ids: torch.Tensor,
+                      metric: Callable[[torch.Tensor], torch.Tensor], names: NameFilter = None, *,
+                      names_filter: NameFilter = None, **forward_kwargs) -> dict[str, torch.Tensor]:
+    """Attribution patching (Nanda 2023): the first-order estimate, per probe and position, of how much
+    ``metric(logits)`` (a scalar) would change if that activation of the corrupt run were patched to its clean value:
+
+        estimate[name][b, t] = sum over the other dims of (clean[name] - corrupt[name]) * d metric / d corrupt[name]
+
+    from one clean forward, one corrupt forward and one backward, instead of a forward per patch. ``names`` (or
+    ``names_filter``) selects the probes as in ``run_with_cache``; the returned dict holds [B, T] tensors (T is the
+    query axis of ``hook_pattern`` and ``hook_attn_scores``) for every selected probe that carries a gradient
+    (not the integer ``hook_topk_idx``, nor ``hook_choice_scores``, which only ranks experts: see docs/research.md).
+    The estimate is exact where the metric is linear in the activation (``hook_logits`` for a logit difference);
+    compare with ``patch`` where it matters. ``forward_kwargs`` (attention_mask, attn_impl) go to both runs.
+    """
+    if names_filter is not None:
+        if names is not None:
+            raise ValueError("give names= or names_filter= (two spellings of the same selector), not both")
+        names = names_filter
+    selected = model.select_hook_names(names)
+    with torch.no_grad():
+        _, clean = model.run_with_cache(clean_ids, names=selected, **forward_kwargs)
+    live: dict[str, torch.Tensor] = {}
+
+    def keep(tensor: torch.Tensor, hook: HookPoint) -> None:
+        if tensor.requires_grad:
+            live[hook.name] = tensor
+
+    with torch.enable_grad(), model.hooks(fwd_hooks=[(selected, keep)]):
+        value = metric(model(corrupt_ids, **forward_kwargs))
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise ValueError(f"metric must return a scalar tensor; got {getattr(value, 'shape', type(value))}")
+        grads = torch.autograd.grad(value.sum(), list(live.values()), allow_unused=True)
+    estimates = {}
+    for (name, corrupt), grad in zip(live.items(), grads, strict=True):
+        if grad is None:
+            continue
+        if clean[name].shape != corrupt.shape:
+            raise ValueError(f"{name} is {tuple(corrupt.shape)} in the corrupt run but {tuple(clean[name].shape)} in "
+                             "the clean one: give runs of equal batch and length")
+        diff = clean[name].to(corrupt.device, corrupt.dtype) - corrupt.detach()  # [B, ...]
+        term = torch.where(grad != 0, diff * grad, 0.0)  # masked scores are -inf in both runs: their diff is NaN
+        axis = 2 if name.endswith(("hook_attn_scores", "hook_pattern")) else 1  # the position axis
+        estimates[name] = term.movedim(axis, 1).flatten(2).sum(-1) if term.dim() > 2 else term
+    return estimates

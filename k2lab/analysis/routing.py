@@ -21,11 +21,18 @@ tokens whose set holds expert e (so sum_e c_e = N k).
     coactivation(tr)                           # [L_moe, E, E] C(i -> j)
     consecutive_same_expert_rate(tr)           # [L_moe] against consecutive_baseline(E, k)
     router_entropy(tr)                         # [L_moe, B, T]
+
+Padded batches: ``trace(model, ids, attention_mask=mask)`` keeps the mask (``tr.token_mask`` [B, T]) and every metric
+counts real tokens only. Pooling and comparing text domains:
+
+    tr_code = RoutingTrace.concat([trace(model, batch) for batch in code_batches])   # lengths may differ
+    c = contrast(tr_code, tr_prose)            # per layer and expert: token and weight shares, ratios, bootstrap CIs
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -79,11 +86,40 @@ class RoutingTrace:
     choice_scores: torch.Tensor  # [L_moe, B, T, E] scores + e_score_correction_bias
     unbiased_indices: torch.Tensor  # [L_moe, B, T, k] the top-k of the scores without the bias
     bias_flips: torch.Tensor  # [L_moe, B, T] bool
+    token_mask: torch.Tensor | None = None  # [B, T] bool: real tokens (False at pads); None: all real
 
     @property
     def flip_counts(self) -> torch.Tensor:
         """[L_moe] int: tokens per layer whose chosen set the bias changed."""
-        return self.bias_flips.flatten(1).sum(-1)
+        return (self.bias_flips & self.real_tokens()).flatten(1).sum(-1)
+
+    def real_tokens(self) -> torch.Tensor:
+        """[B, T] bool: the positions that hold real tokens (all, unless the trace came from a padded batch)."""
+        if self.token_mask is not None:
+            return self.token_mask.to(self.indices.device)
+        return torch.ones(self.indices.shape[1:3], dtype=torch.bool, device=self.indices.device)
+
+    @classmethod
+    def concat(cls, traces: Sequence[RoutingTrace]) -> RoutingTrace:
+        """One trace of all the sequences of ``traces`` (batches of one model), stacked along B. Shorter traces are
+        padded at the end of T, and ``token_mask`` marks those pads, so lengths may differ."""
+        traces = list(traces)
+        if not traces:
+            raise ValueError("concat needs at least one trace")
+        if any(t.layers != traces[0].layers or t.scores.shape[-1] != traces[0].scores.shape[-1] for t in traces):
+            raise ValueError("concat needs traces of the same model: their MoE layers or expert counts differ")
+        T = max(t.indices.shape[2] for t in traces)
+
+        def padded(t: RoutingTrace, field: str) -> torch.Tensor:
+            x = getattr(t, field)  # [L_moe, B, T, ...]
+            pad = [0, 0] * (x.dim() - 3) + [0, T - x.shape[2]]
+            return torch.nn.functional.pad(x, pad)
+
+        fields = ("indices", "weights", "scores", "choice_scores", "unbiased_indices", "bias_flips")
+        joined = {f: torch.cat([padded(t, f) for t in traces], dim=1) for f in fields}
+        masks = [torch.nn.functional.pad(t.real_tokens(), [0, T - t.indices.shape[2]]) for t in traces]
+        same = all(t.token_mask is None and t.indices.shape[2] == T for t in traces)
+        return cls(list(traces[0].layers), **joined, token_mask=None if same else torch.cat(masks))
 
     def row(self, layer: int) -> int:
         """The row of model layer ``layer`` in this trace's tensors."""
@@ -108,11 +144,16 @@ class RoutingTrace:
 @torch.no_grad()
 def trace(model: K2Model, input_ids: torch.Tensor, **forward_kwargs) -> RoutingTrace:
     """Run ``model(input_ids)`` once, recording only the router probes, and return the routing of every MoE layer.
-    Active interventions (``model.hooks``, ``k2lab.interventions``) are seen: the trace shows the routing used."""
+    Active interventions (``model.hooks``, ``k2lab.interventions``) are seen: the trace shows the routing used.
+    With ``attention_mask=`` (a padded batch) the trace keeps it, and its metrics skip the pads."""
     moe_layers(model)  # fail early, with a clear message, on a dense-only model
     wanted = lambda name: ".mlp.gate." in name and name.endswith(_GATE_PROBES)
     _, cache = model.run_with_cache(input_ids, names=wanted, **forward_kwargs)
-    return RoutingTrace.from_cache(cache)
+    tr = RoutingTrace.from_cache(cache)
+    mask = forward_kwargs.get("attention_mask")
+    if mask is not None:
+        tr.token_mask = torch.as_tensor(mask).reshape(tr.indices.shape[1:3]).bool().to(tr.indices.device)
+    return tr
 
 
 # ---- metrics ---------------------------------------------------------------------------------------------------------
@@ -121,7 +162,7 @@ def expert_counts(tr: RoutingTrace, top: int | None = None) -> torch.Tensor:
 
     ``top=None`` counts all k slots (then sum_e c_e = N k); ``top=1`` counts each token's first choice only (slots
     are ordered by choice score, best first)."""
-    idx = tr.indices if top is None else tr.indices[..., :top]  # [L_moe, B, T, top]
+    idx = (tr.indices if top is None else tr.indices[..., :top])[:, tr.real_tokens()]  # [L_moe, N, top]
     E = tr.scores.shape[-1]
     return torch.stack([torch.bincount(row.flatten(), minlength=E) for row in idx])
 
@@ -155,7 +196,7 @@ def domain_specialization(tr: RoutingTrace, top: int | None = None) -> torch.Ten
 
     the share of the domain's N(D) tokens that have expert e among their first ``top`` slots (all k when None).
     Uniform routing gives top / E; compare the same expert across domains."""
-    n_tokens = tr.indices[0, ..., 0].numel()
+    n_tokens = int(tr.real_tokens().sum())
     return expert_counts(tr, top).float() / max(n_tokens, 1)
 
 
@@ -200,9 +241,10 @@ def vocabulary_specialization(tr: RoutingTrace, token_ids: torch.Tensor, top: in
     """Count, per layer, where each token id of ``token_ids`` [B, T] (aligned with the trace's positions) was
     routed among its first ``top`` slots. See VocabularySpecialization for the definition."""
     token_ids = torch.as_tensor(token_ids).reshape(tr.indices.shape[1:3])  # [B, T]
-    unique, inverse, occurrences = token_ids.flatten().unique(return_inverse=True, return_counts=True)
+    real = tr.real_tokens()
+    unique, inverse, occurrences = token_ids[real.cpu()].unique(return_inverse=True, return_counts=True)
     E, U = tr.scores.shape[-1], len(unique)
-    idx = tr.indices[..., :top].flatten(1, 2)  # [L_moe, N, top]
+    idx = tr.indices[..., :top][:, real]  # [L_moe, N, top] real tokens only
     cell = inverse.to(idx.device)[None, :, None] * E + idx  # [L_moe, N, top] flat (token id, expert) cell
     counts = torch.stack([torch.bincount(row.flatten(), minlength=U * E) for row in cell]).view(-1, U, E)
     return VocabularySpecialization(list(tr.layers), unique, occurrences, counts.cpu(), top)
@@ -227,7 +269,9 @@ def consecutive_same_expert_rate(tr: RoutingTrace) -> torch.Tensor:
     least one expert: mean over pairs of 1[S_t and S_(t+1) intersect]. Compare with ``consecutive_baseline``."""
     chosen = _chosen(tr)  # [L_moe, B, T, E]
     shared = (chosen[:, :, 1:] & chosen[:, :, :-1]).any(-1)  # [L_moe, B, T - 1]
-    return shared.float().flatten(1).mean(-1)
+    real = tr.real_tokens()
+    pairs = real[:, 1:] & real[:, :-1]  # [B, T - 1] both tokens real
+    return shared[:, pairs].float().mean(-1)
 
 
 def consecutive_baseline(num_experts: int, top_k: int) -> float:
@@ -247,10 +291,118 @@ def router_entropy(tr: RoutingTrace, over: Literal["scores", "weights"] = "score
         raise ValueError(f"over must be 'scores' or 'weights', got {over!r}")
     values = (tr.scores if over == "scores" else tr.weights).double()
     p = values / values.sum(-1, keepdim=True).clamp(min=1e-300)
-    return -(p * p.clamp(min=1e-300).log()).sum(-1).float()
+    entropy = -(p * p.clamp(min=1e-300).log()).sum(-1).float()  # [L_moe, B, T]
+    return entropy.masked_fill(~tr.real_tokens(), float("nan"))  # pads: NaN
 
 
 def _chosen(tr: RoutingTrace) -> torch.Tensor:
-    """[L_moe, B, T, E] bool: expert e is in token t's chosen set."""
+    """[L_moe, B, T, E] bool: expert e is in token t's chosen set (nothing at pads)."""
     out = torch.zeros(tr.scores.shape, dtype=torch.bool, device=tr.indices.device)
-    return out.scatter_(-1, tr.indices, True)
+    return out.scatter_(-1, tr.indices, True) & tr.real_tokens()[None, :, :, None]
+
+
+# ---- contrasting two sets of texts -----------------------------------------------------------------------------------
+@dataclass
+class RoutingContrast:
+    """Per layer and expert, how two sets of texts (domains a and b) use the routed experts. Row j is layer
+    ``layers[j]``; every tensor is [L_moe, E] and each ``*_ci`` is [2, L_moe, E] (low, high).
+
+    - ``share_*``: the share of the domain's tokens that chose the expert, N_e / N (a token chooses k experts,
+      so the shares of one layer sum to k; uniform routing gives k / E);
+    - ``weight_share_*``: the share of the domain's routing weight the expert received (sums to 1 per layer);
+    - ``ratio``, ``weight_ratio``: a over b (inf where b is 0 and a is not; NaN where both are).
+
+    The intervals are bootstrap percentiles over sequences (tokens of one sequence are not independent, so
+    sequences are what is resampled), a and b resampled separately.
+    """
+
+    layers: list[int]
+    share_a: torch.Tensor
+    share_b: torch.Tensor
+    ratio: torch.Tensor
+    weight_share_a: torch.Tensor
+    weight_share_b: torch.Tensor
+    weight_ratio: torch.Tensor
+    share_a_ci: torch.Tensor
+    share_b_ci: torch.Tensor
+    ratio_ci: torch.Tensor
+    weight_ratio_ci: torch.Tensor
+    confidence: float
+    num_sequences: tuple[int, int]
+    num_tokens: tuple[int, int]
+
+    def specialised(self, layer: int, toward: Literal["a", "b"] = "a") -> list[tuple[int, float, float, float]]:
+        """The experts of model layer ``layer`` whose token-share ratio's interval lies wholly above 1 (toward a)
+        or below 1 (toward b): (expert, ratio, low, high), most specialised first."""
+        j = self.layers.index(layer)
+        ratio, low, high = self.ratio[j], self.ratio_ci[0, j], self.ratio_ci[1, j]
+        hit = (low > 1) if toward == "a" else (high < 1)
+        order = ratio.argsort(descending=toward == "a").tolist()
+        return [(e, float(ratio[e]), float(low[e]), float(high[e])) for e in order if hit[e]]
+
+
+def contrast(trace_a: RoutingTrace, trace_b: RoutingTrace, top: int | None = None, num_boot: int = 1000,
+             confidence: float = 0.95, seed: int = 0) -> RoutingContrast:
+    """Compare the routing of two sets of texts (e.g. code in ``trace_a``, prose in ``trace_b``; pool batches with
+    ``RoutingTrace.concat``). Chosen means chosen by the router: among the top-k of score + correction bias, as the
+    trace records it (``top`` keeps each token's first ``top`` slots only). See RoutingContrast for the fields.
+
+    Why not compare the sigmoid scores (or their softmax)? With a sigmoid router the scores of one token do not
+    compete, and the correction bias, not the score, often decides who is chosen: an expert can score high
+    everywhere and still be passed over. Token shares measure what the router did; weight shares add how much the
+    chosen expert's output counted.
+    """
+    if trace_a.layers != trace_b.layers or trace_a.scores.shape[-1] != trace_b.scores.shape[-1]:
+        raise ValueError("contrast needs traces of the same model: their MoE layers or expert counts differ")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    if num_boot < 1:
+        raise ValueError(f"num_boot must be >= 1, got {num_boot}")
+    stats = [_per_sequence(tr, top) for tr in (trace_a, trace_b)]  # (tokens [B], count [L, B, E], mass [L, B, E])
+
+    def shares(tokens, count, mass, draws=None):
+        """Token and weight shares [..., L, E]; ``draws`` [R, B] resamples sequences (how often each is drawn)."""
+        if draws is None:
+            return count.sum(1) / tokens.sum(), mass.sum(1) / mass.sum((1, 2))[:, None]
+        n = draws @ tokens  # [R]
+        c = torch.einsum("rb,lbe->rle", draws, count)
+        m = torch.einsum("rb,lbe->rle", draws, mass)
+        return c / n[:, None, None], m / m.sum(-1, keepdim=True)
+
+    gen = torch.Generator().manual_seed(seed)
+    (share_a, wshare_a), (share_b, wshare_b) = (shares(*s) for s in stats)
+    boot = []
+    for tokens, count, mass in stats:
+        B = len(tokens)
+        picks = torch.randint(0, B, (num_boot, B), generator=gen)
+        draws = torch.zeros(num_boot, B, dtype=torch.float64).scatter_add_(1, picks, torch.ones(num_boot, B,
+                                                                                                dtype=torch.float64))
+        boot.append(shares(tokens, count, mass, draws))
+    (boot_a, wboot_a), (boot_b, wboot_b) = boot
+
+    def interval(samples):  # [R, L, E] -> [2, L, E], the outer order statistics (no interpolation: ratios may be inf)
+        low = torch.nanquantile(samples, (1 - confidence) / 2, dim=0, interpolation="lower")
+        high = torch.nanquantile(samples, (1 + confidence) / 2, dim=0, interpolation="higher")
+        return torch.stack([low, high]).float()
+
+    return RoutingContrast(
+        layers=list(trace_a.layers), share_a=share_a.float(), share_b=share_b.float(),
+        ratio=(share_a / share_b).float(), weight_share_a=wshare_a.float(), weight_share_b=wshare_b.float(),
+        weight_ratio=(wshare_a / wshare_b).float(), share_a_ci=interval(boot_a), share_b_ci=interval(boot_b),
+        ratio_ci=interval(boot_a / boot_b), weight_ratio_ci=interval(wboot_a / wboot_b), confidence=confidence,
+        num_sequences=(len(stats[0][0]), len(stats[1][0])),
+        num_tokens=(int(stats[0][0].sum()), int(stats[1][0].sum())),
+    )
+
+
+def _per_sequence(tr: RoutingTrace, top: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sequence (float64): real tokens [B], tokens that chose each expert [L_moe, B, E], and the routing weight
+    each expert received [L_moe, B, E], over the first ``top`` slots (all k when None)."""
+    idx = tr.indices if top is None else tr.indices[..., :top]  # [L_moe, B, T, top]
+    weights = tr.weights if top is None else tr.weights[..., :top]
+    real = tr.real_tokens()[None, :, :, None]  # [1, B, T, 1]
+    E = tr.scores.shape[-1]
+    chosen = torch.zeros(*idx.shape[:3], E, dtype=torch.float64, device=idx.device).scatter_(-1, idx, 1.0)
+    mass = torch.zeros_like(chosen).scatter_add_(-1, idx, weights.double())  # [L_moe, B, T, E]
+    tokens = tr.real_tokens().sum(-1).double()  # [B]
+    return tokens.cpu(), (chosen * real).sum(2).cpu(), (mass * real).sum(2).cpu()

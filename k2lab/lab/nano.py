@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..model.transformer import K2Model
-from ..tokenizer.tokenizer import K2Tokenizer, load_tokenizer
+from ..tokenizer.tokenizer import K2Tokenizer
 from ..weights.load import load
 from ..weights.writer import write_checkpoint
 
@@ -22,10 +22,12 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight"
 
 
 def load_nano(dtype: torch.dtype = torch.float32) -> tuple[K2Model, K2Tokenizer]:
-    """The bundled K2-nano and its tokenizer, offline. float32 by default: on a CPU it is the fast dtype."""
+    """The bundled K2-nano and its tokenizer (also attached as ``model.tokenizer``), offline. float32 by default: on a
+    CPU it is the fast dtype."""
     if not (NANO_DIR / "config.json").is_file():
         raise FileNotFoundError(f"no K2-nano checkpoint in {NANO_DIR}; train one with python -m k2lab.training")
-    return load(NANO_DIR, dtype=dtype).eval(), load_tokenizer(NANO_DIR)
+    model = load(NANO_DIR, dtype=dtype).eval()  # the folder holds the tokenizer too: load attaches it
+    return model, model.tokenizer
 
 
 def save_checkpoint(model: K2Model, folder: str | Path, *, fp8: bool = True) -> Path:

@@ -160,8 +160,9 @@ def _load(settings: LabSettings) -> tuple[K2Model, K2Tokenizer, str]:
     dtype = settings.dtype or (torch.float32 if settings.is_nano else None)
     model = load(source, dtype=dtype, num_layers=settings.num_layers, expert_budget_bytes=settings.expert_budget_bytes,
                  device_map=settings.device_map).eval()
-    tok = load_tokenizer(source)
-    return model, tok, describe(model, "K2-nano (bundled)" if settings.is_nano else str(settings.model))
+    if model.tokenizer is None:  # a Hub repo: load fetched the weights' files only
+        model.tokenizer = load_tokenizer(source)
+    return model, model.tokenizer, describe(model, "K2-nano (bundled)" if settings.is_nano else str(settings.model))
 
 
 def tokenizer(settings: LabSettings | None = None) -> K2Tokenizer:

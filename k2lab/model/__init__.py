@@ -4,7 +4,7 @@ no analysis: ``k2lab.weights`` fills it, ``k2lab.analysis`` reads it."""
 
 from .attention import AttnImpl, LatentCache, MultiHeadLatentAttention
 from .generate import generate
-from .hooks import HookPoint
+from .hooks import HookPoint, get_act_name
 from .transformer import K2Model
 
-__all__ = ["AttnImpl", "HookPoint", "K2Model", "LatentCache", "MultiHeadLatentAttention", "generate"]
+__all__ = ["AttnImpl", "HookPoint", "K2Model", "LatentCache", "MultiHeadLatentAttention", "generate", "get_act_name"]

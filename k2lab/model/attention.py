@@ -49,6 +49,7 @@ class LatentCache:
         self.dtype, self.device = dtype, torch.device(devices[0])
         self.max_positions = cfg.max_position_embeddings
         self.length = 0  # positions already cached; new tokens continue from here
+        self.token_mask: torch.Tensor | None = None  # [B, >= length] bool: real tokens (not pads); None: all real
         self._buffers: list[torch.Tensor] = [
             torch.empty(batch_size, 0, self.width, dtype=dtype, device=d) for d in devices
         ]
@@ -72,6 +73,13 @@ class LatentCache:
         buf[:, start:end, : self.kv_lora_rank] = kv_latent
         buf[:, start:end, self.kv_lora_rank :] = k_pe
         return buf[:, :end, : self.kv_lora_rank], buf[:, :end, self.kv_lora_rank :]
+
+    def key_mask(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """Record which new positions hold real tokens ([B, T] bool) -> which of all S key positions do [B, S]."""
+        cached = (self.token_mask[:, : self.length] if self.token_mask is not None
+                  else new_tokens.new_ones(self.batch_size, self.length))
+        self.token_mask = torch.cat([cached.to(new_tokens.device), new_tokens], dim=1)
+        return self.token_mask
 
     def latents(self, layer: int) -> torch.Tensor:
         """The cached [B, length, C + R] entries of one layer."""
@@ -135,7 +143,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.hook_z = HookPoint()  # [B, T, H, V] per-head output before o_proj
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LatentCache | None = None, layer: int = 0, attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
+                cache: LatentCache | None = None, layer: int = 0, attn_impl: AttnImpl = "absorbed",
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]. cos/sin [T, R], or [B, T, R] when positions differ per row (padding).
+        ``attn_mask`` [B, 1, T, S] bool, True where a query may see a key; None: plain causal."""
         B, T, _ = x.shape
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)  # [B, T, H*(N+R)]
@@ -144,7 +155,7 @@ class MultiHeadLatentAttention(nn.Module):
         q = q.view(B, T, self.num_heads, self.nope_dim + self.rope_dim)  # [B, T, H, N+R]
         q_nope = self.hook_q_nope(q[..., : self.nope_dim])  # [B, T, H, N]
         q_pe = self.hook_q_pe(q[..., self.nope_dim :])  # [B, T, H, R]
-        q_pe = self.hook_rot_q_pe(rope.rotate(q_pe, cos[:, None], sin[:, None]))
+        q_pe = self.hook_rot_q_pe(rope.rotate(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2)))  # [.., T, 1, R]
 
         kv_a = self.kv_a_proj_with_mqa(x)  # [B, T, C + R]
         kv_latent = self.hook_kv_latent(self.kv_a_layernorm(kv_a[..., : self.kv_lora_rank]))  # [B, T, C]
@@ -154,9 +165,9 @@ class MultiHeadLatentAttention(nn.Module):
             kv_latent, k_pe = cache.update(layer, kv_latent, k_pe)  # [B, S, C], [B, S, R]
 
         if attn_impl == "naive":
-            z = self._naive(q_nope, q_pe, kv_latent, k_pe)
+            z = self._naive(q_nope, q_pe, kv_latent, k_pe, attn_mask)
         elif attn_impl == "absorbed":
-            z = self._absorbed(q_nope, q_pe, kv_latent, k_pe)
+            z = self._absorbed(q_nope, q_pe, kv_latent, k_pe, attn_mask)
         else:
             raise ValueError(f"attn_impl must be 'naive' or 'absorbed', got {attn_impl!r}")
         z = self.hook_z(z)  # [B, T, H, V]
@@ -171,7 +182,7 @@ class MultiHeadLatentAttention(nn.Module):
             self.hook_max_logit(scores.detach().amax(dim=(-2, -1)))
         return self.hook_pattern(F.softmax(scores, dim=-1, dtype=torch.float32).to(dtype))
 
-    def _naive(self, q_nope, q_pe, kv_latent, k_pe) -> torch.Tensor:
+    def _naive(self, q_nope, q_pe, kv_latent, k_pe, attn_mask=None) -> torch.Tensor:
         """Expand the latents to per-head keys and values for all S positions, then plain attention."""
         B, T, H, _ = q_nope.shape
         S = kv_latent.shape[1]
@@ -181,7 +192,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_pe = k_pe[:, :, None].expand(B, S, H, self.rope_dim)  # the one rotary key, seen by every head
         k = torch.cat((k_nope, k_pe), dim=-1).transpose(1, 2)  # [B, H, S, N+R]
         v = v.transpose(1, 2)  # [B, H, S, V]
-        mask = causal_mask(T, S, q.device) if T > 1 else None
+        mask = attn_mask if attn_mask is not None else causal_mask(T, S, q.device) if T > 1 else None
         if self.hook_attn_scores.active or self.hook_pattern.active:
             pattern = self._probe_pattern(q @ k.transpose(-1, -2) * self.softmax_scale, mask, q.dtype)
             return (pattern @ v).transpose(1, 2)  # [B, T, H, V]
@@ -195,11 +206,11 @@ class MultiHeadLatentAttention(nn.Module):
         pad = q.shape[-1] - self.v_dim if q.device.type == "cpu" else 0
         out = F.scaled_dot_product_attention(
             q, k, F.pad(v, (0, pad)) if pad > 0 else v, scale=self.softmax_scale,
-            attn_mask=None if T == S else mask, is_causal=T == S and T > 1,
+            attn_mask=None if T == S and attn_mask is None else mask, is_causal=T == S and T > 1 and attn_mask is None,
         )
         return out[..., : self.v_dim].transpose(1, 2)  # [B, T, H, V]
 
-    def _absorbed(self, q_nope, q_pe, kv_latent, k_pe) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_pe, kv_latent, k_pe, attn_mask=None) -> torch.Tensor:
         """Attention over the latents: q_nope through W_UK into latent space; the output through W_UV."""
         B, T, H, _ = q_nope.shape
         S = kv_latent.shape[1]
@@ -210,7 +221,7 @@ class MultiHeadLatentAttention(nn.Module):
         scores = (q_latent.reshape(B, H * T, -1) @ kv_latent.transpose(1, 2)
                   + q_pe.transpose(1, 2).reshape(B, H * T, -1) @ k_pe.transpose(1, 2))  # [B, H*T, S]
         scores = scores.view(B, H, T, S) * self.softmax_scale
-        mask = causal_mask(T, S, q_nope.device) if T > 1 else None
+        mask = attn_mask if attn_mask is not None else causal_mask(T, S, q_nope.device) if T > 1 else None
         pattern = self._probe_pattern(scores, mask, q_nope.dtype)  # [B, H, T, S]
         out_latent = (pattern.view(B, H * T, S) @ kv_latent).view(B, H, T, -1)  # [B, H, T, C]
         return torch.einsum("bhtc,hvc->bthv", out_latent, w_uv)  # [B, T, H, V]

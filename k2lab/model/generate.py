@@ -46,15 +46,24 @@ def healing_mask(tokenizer: K2Tokenizer, last_ids: list[int], vocab_size: int) -
 
 
 @torch.no_grad()
-def generate(model: K2Model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_tokens: int,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              eos_token_id: int | None = None, attn_impl: AttnImpl = "absorbed",
-             tokenizer: K2Tokenizer | None = None, token_healing: bool = False) -> torch.Tensor:
+             tokenizer: K2Tokenizer | None = None, token_healing: bool = False,
+             attention_mask: torch.Tensor | None = None) -> torch.Tensor | str | list[str]:
     """Continue ``input_ids`` [B, T] by up to ``max_new_tokens`` tokens -> [B, T + n], n <= max_new_tokens.
 
     Greedy when ``temperature`` is 0; otherwise samples from softmax(logits / temperature) restricted by
     ``top_k`` and ``top_p``, reproducibly for a given ``seed``. A row stops at the eos id (the config's unless
     given) and is padded with it while other rows go on; generation ends when every row has stopped.
+
+    A padded batch: ``attention_mask`` [B, T] (1 = token, 0 = pad). Each row continues from its last real token,
+    and greedy decoding gives each row the tokens it would get alone. Pad on the left (``tok.encode_padded``'s
+    default), so that every row's text stays contiguous in the result; the result keeps the pads where they were.
+
+    Text: ``generate(model, "def f(", ...)`` (or a list of strings, left-padded into one batch) encodes with the
+    ``tokenizer`` (default ``model.tokenizer``) and returns the full text, prompt plus completion, for each
+    prompt (a string for a string), cut before the first eos.
 
     ``token_healing`` (with the ``tokenizer``, as in HF transformers) repairs a prompt that ends mid-token, such
     as ``"import "``, whose trailing space the tokenizer would have merged into the next word (" os"): the
@@ -69,26 +78,49 @@ def generate(model: K2Model, input_ids: torch.Tensor, max_new_tokens: int, tempe
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    text = input_ids if isinstance(input_ids, str) or (isinstance(input_ids, list | tuple) and input_ids
+                                                        and all(isinstance(t, str) for t in input_ids)) else None
+    if text is not None:
+        if attention_mask is not None:
+            raise ValueError("attention_mask is made by the tokenizer for text input; pass ids to give your own")
+        if tokenizer is None:
+            tokenizer = model._require_tokenizer("generate on text")
+        input_ids, attention_mask = tokenizer.encode_padded([text] if isinstance(text, str) else list(text))
     ids = torch.as_tensor(input_ids, device=model.device)
     ids = ids[None] if ids.dim() == 1 else ids
+    mask = None
+    if attention_mask is not None:
+        from .transformer import check_attention_mask
+
+        mask = check_attention_mask(attention_mask, *ids.shape).to(ids.device)  # [B, T] bool
+        if not mask.any(-1).all():
+            raise ValueError(f"attention_mask has a row without any token: row {int((~mask.any(-1)).nonzero()[0])}")
     allowed = None  # [B, V]: the first step's constraint under token healing
     if token_healing:
         if tokenizer is None:
             raise ValueError("token_healing needs the tokenizer: generate(..., tokenizer=tok, token_healing=True)")
         if ids.shape[1] < 2:
             raise ValueError(f"token healing drops the prompt's last token, so it needs at least 2; got {ids.shape[1]}")
+        if mask is not None and not (mask[:, -1].all() and mask[:, :-1].any(-1).all()):
+            raise ValueError("token healing drops each row's last token: pad on the left, with 2 tokens per row")
         allowed = healing_mask(tokenizer, ids[:, -1].tolist(), model.config.vocab_size).to(ids.device)
-        ids = ids[:, :-1]
+        ids, mask = ids[:, :-1], None if mask is None else mask[:, :-1]
     eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
     generator = None
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
 
-    cache = model.new_cache(ids.shape[0])
-    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    out, step_input = [ids], ids
+    B, T = ids.shape
+    cache = model.new_cache(B)
+    done = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    # Where each row's next token is read: its last real token at prefill (pads may follow it), then the new one.
+    last = torch.full((B,), T - 1, device=ids.device)
+    if mask is not None:
+        last = T - 1 - mask.flip(-1).int().argmax(-1)  # [B]
+    out, step_input, step_mask = [ids], ids, mask  # the cache remembers the pads after the prefill
     for _ in range(max_new_tokens):
-        logits = model(step_input, cache=cache, attn_impl=attn_impl)[:, -1]  # [B, V]
+        logits = model(step_input, cache=cache, attn_impl=attn_impl, attention_mask=step_mask)  # [B, T', V]
+        logits = logits[torch.arange(B, device=ids.device), last]  # [B, V]
         if allowed is not None:
             logits, allowed = logits.masked_fill(~allowed, float("-inf")), None
         token = sample_next(logits, temperature, top_k, top_p, generator)  # [B]
@@ -96,7 +128,17 @@ def generate(model: K2Model, input_ids: torch.Tensor, max_new_tokens: int, tempe
             token = token.masked_fill(done, eos)
             done |= token == eos
         out.append(token[:, None])
-        step_input = token[:, None]
+        step_input, step_mask, last = token[:, None], None, torch.zeros_like(last)
         if done.all():
             break
-    return torch.cat(out, dim=1)
+    result = torch.cat(out, dim=1)
+    if text is None:
+        return result
+    texts = []
+    for row, real in zip(result.tolist(), (mask if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+                                           ).tolist(), strict=True):
+        prompt = [i for i, keep in zip(row, real, strict=False) if keep]
+        new = row[len(real):]
+        new = new[: new.index(eos)] if eos is not None and eos in new else new
+        texts.append(tokenizer.decode(prompt + new))
+    return texts[0] if isinstance(text, str) else texts

@@ -1,22 +1,31 @@
-"""Hook points: named places on the forward path where a probe can read or replace a tensor.
+"""Hook points: named places on the forward path where a probe can read or replace a tensor (and its gradient).
 
 A probe's name is its module path plus a ``hook_`` leaf (``layers.3.mlp.gate.hook_topk_idx``), so the name
 says where it lives and leads to the neighbouring weights in the checkpoint. Hook functions follow the
 TransformerLens convention: ``fn(tensor, hook) -> None | replacement``, with ``hook.name`` the probe's name.
 
-A hook point with nothing attached is a Python attribute test and a return: it costs nothing measurable and
-keeps no tensor alive. Expensive quantities (attention patterns) are computed only when a probe asks.
+A HookPoint is an ordinary ``nn.Module`` called through ``nn.Module.__call__``, so PyTorch forward hooks fire on
+it and nnsight sees it: ``NNsight(model).layers[3].mlp.gate.hook_topk_idx.output`` reads or sets that probe. With
+nothing attached, PyTorch's call goes straight to ``forward``, an empty loop and a return: a probe costs well
+under a microsecond and keeps no tensor alive. Expensive quantities (attention patterns) are computed only when
+something reads their probe (``HookPoint.active``).
 
-    logits, cache = model.run_with_cache(ids, names="hook_resid_post")     # read (see activation_cache.py)
+Selecting probes, everywhere a selector is taken (``run_with_cache(names=)``, ``hooks(fwd_hooks=[(selector, fn)])``,
+``interventions.patch``): an exact name, a substring of names (``"hook_resid_post"``), a predicate on the name, or
+a list of any of these. Short TransformerLens-style names: ``get_act_name("resid_post", 3)``.
+
+    logits, cache = model.run_with_cache(ids, names="hook_resid_post")     # read (see analysis/cache.py)
     with model.hooks(fwd_hooks=[("layers.1.hook_attn_out", lambda t, hook: 0 * t)]):
         ablated = model(ids)                                                # edit; detached on exit
+    with model.hooks(bwd_hooks=[("hook_resid_mid", lambda g, hook: print(hook.name, g.norm()))]):
+        model(ids, return_type="loss").backward()                          # gradients, inside the block
 """
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,39 +35,113 @@ if TYPE_CHECKING:  # the model package imports no analysis at import time (data 
     from ..analysis.cache import ActivationCache
 
 HookFn = Callable[[torch.Tensor, "HookPoint"], torch.Tensor | None]
-NameFilter = str | Iterable[str] | Callable[[str], bool] | None  # see HookedModule.select_hook_names
-FwdHooks = Iterable[tuple[str | Callable[[str], bool], HookFn]]  # (exact name or predicate, fn) pairs
+Selector = str | Callable[[str], bool]
+NameFilter = Selector | Iterable[Selector] | None  # see HookedModule.select_hook_names
+Hooks = Iterable[tuple[NameFilter, HookFn]]  # (selector, fn) pairs
+
+# Short names (TransformerLens habit) -> the probe's path inside layer i, or its whole name for model-level probes.
+LAYER_PROBES = {
+    "resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "resid_post": "hook_resid_post",
+    "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out",
+    "q_latent": "self_attn.hook_q_latent", "kv_latent": "self_attn.hook_kv_latent",
+    "q_nope": "self_attn.hook_q_nope", "q_pe": "self_attn.hook_q_pe", "rot_q_pe": "self_attn.hook_rot_q_pe",
+    "k_pe": "self_attn.hook_k_pe", "rot_k_pe": "self_attn.hook_rot_k_pe",
+    "attn_scores": "self_attn.hook_attn_scores", "max_logit": "self_attn.hook_max_logit",
+    "pattern": "self_attn.hook_pattern", "z": "self_attn.hook_z",
+    "router_logits": "mlp.gate.hook_logits", "scores": "mlp.gate.hook_scores",
+    "choice_scores": "mlp.gate.hook_choice_scores", "topk_idx": "mlp.gate.hook_topk_idx",
+    "topk_weights": "mlp.gate.hook_topk_weights", "expert_out": "mlp.hook_expert_out",
+    "routed_out": "mlp.hook_routed_out", "shared_out": "mlp.hook_shared_out",
+}
+MODEL_PROBES = {"embed": "embed_tokens.hook_out", "final_norm": "norm.hook_out", "logits": "hook_logits"}
+
+
+def get_act_name(name: str, layer: int | None = None) -> str:
+    """The probe name of a short name: ``get_act_name("resid_post", 3)`` -> ``"layers.3.hook_resid_post"``,
+    ``get_act_name("logits")`` -> ``"hook_logits"``. Short names are the probe leaves without ``hook_`` (the gate's
+    logits are ``"router_logits"``); a full probe name is returned as it is. See LAYER_PROBES and MODEL_PROBES."""
+    if layer is None:
+        if name in MODEL_PROBES:
+            return MODEL_PROBES[name]
+        if "hook_" in name:
+            return name
+        if name in LAYER_PROBES:
+            raise ValueError(f"{name!r} is a per-layer probe: give its layer, e.g. get_act_name({name!r}, 0)")
+    else:
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"layer must be a non-negative integer, got {layer!r}")
+        if name in LAYER_PROBES:
+            return f"layers.{layer}.{LAYER_PROBES[name]}"
+        if name in MODEL_PROBES:
+            raise ValueError(f"{name!r} is a model-level probe ({MODEL_PROBES[name]}): give no layer")
+    close = difflib.get_close_matches(name, [*LAYER_PROBES, *MODEL_PROBES], n=5, cutoff=0.5)
+    raise KeyError(f"no probe has the short name {name!r}; closest: {close or 'none'} "
+                   f"(short names: {sorted(LAYER_PROBES)} per layer, {sorted(MODEL_PROBES)} for the model)")
 
 
 class HookPoint(nn.Module):
-    """Identity on the forward path. Attached functions may read the tensor or return a replacement."""
+    """Identity on the forward path. Attached functions may read the tensor (or its gradient) or replace it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.name = ""  # set by the model from the module path
-        self.fns: list[HookFn] = []
+        self.fns: list[HookFn] = []  # forward hooks: fn(tensor, hook)
+        self.bwd_fns: list[HookFn] = []  # backward hooks: fn(grad, hook), run while the gradient passes
+        self.index_bound: int | None = None  # for probes of indices (hook_topk_idx): replacements lie in 0..bound-1
 
     @property
     def active(self) -> bool:
-        """True when some function is attached, so the caller should materialise what this probe shows."""
-        return bool(self.fns)
+        """True when something may read this probe: a k2lab hook, a PyTorch forward (pre-)hook, or a wrapper that took
+        over ``forward`` while it runs (an nnsight trace, which cannot say ahead which probes it will read). The
+        caller then materialises what the probe shows (attention patterns leave the fused kernel)."""
+        if self.fns or self._forward_hooks or self._forward_pre_hooks:
+            return True
+        if "forward" not in self.__dict__:
+            return False
+        # nnsight keeps its wrapper installed after a trace and records here whether one of its traces is running.
+        nnsight_trace = getattr(self.__dict__.get("__nnsight__"), "active", None)
+        return nnsight_trace()[0] is not None if callable(nnsight_trace) else True
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # bypasses nn.Module's call machinery: it is hot
-        for fn in self.fns:
-            out = fn(x, self)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for fn in tuple(self.fns):  # a copy: a hook may detach hooks (reset_hooks) while they run
+            try:
+                out = fn(x, self)
+            except Exception as err:
+                err.add_note(f"raised by a hook on {self.name}")
+                raise
             if out is not None:
-                if not isinstance(out, torch.Tensor) or out.shape != x.shape:
-                    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                    raise ValueError(f"hook on {self.name} returned {got}; expected a tensor of {tuple(x.shape)}")
-                x = out
+                x = self._checked(out, x, "hook")
+        if self.bwd_fns and x.requires_grad:
+            x.register_hook(self._backward)
         return x
+
+    def _backward(self, grad: torch.Tensor) -> torch.Tensor:
+        """Run the backward hooks attached when the gradient arrives (none once their ``hooks`` block has exited)."""
+        for fn in tuple(self.bwd_fns):
+            out = fn(grad, self)
+            if out is not None:
+                grad = self._checked(out, grad, "backward hook")
+        return grad
+
+    def _checked(self, out: object, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """A replacement must be a tensor like the one it replaces (shape, dtype, device); indices must be in range."""
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"{kind} on {self.name} returned {type(out).__name__}; expected a tensor "
+                             f"{tuple(x.shape)} {x.dtype} (or None to keep it)")
+        if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+            raise ValueError(f"{kind} on {self.name} returned {tuple(out.shape)} {out.dtype} on {out.device}; "
+                             f"expected {tuple(x.shape)} {x.dtype} on {x.device} (cast with .to(tensor))")
+        if self.index_bound is not None and out.numel() and (out.min() < 0 or out.max() >= self.index_bound):
+            bad = out[(out < 0) | (out >= self.index_bound)][0].item()
+            raise ValueError(f"{kind} on {self.name} returned index {bad}; valid: 0..{self.index_bound - 1}")
+        return out
 
     def extra_repr(self) -> str:
         return self.name
 
 
 class HookedModule(nn.Module):
-    """Mixin for the root model: names every HookPoint by its path and attaches hooks by name or predicate."""
+    """Mixin for the root model: names every HookPoint by its path and attaches hooks by selector."""
 
     def name_hook_points(self) -> None:
         self._hook_points = {name: m for name, m in self.named_modules() if isinstance(m, HookPoint)}
@@ -70,84 +153,120 @@ class HookedModule(nn.Module):
         return list(self._hook_points)
 
     def hook_point(self, name: str) -> HookPoint:
-        return self.resolve_hook_names(name)[0][1]
-
-    def resolve_hook_names(self, selector: str | Callable[[str], bool]) -> list[tuple[str, HookPoint]]:
-        """Probes matching an exact name or a predicate; an unmatched selector raises with the closest names."""
-        if callable(selector):
-            found = [(n, p) for n, p in self._hook_points.items() if selector(n)]
-            if not found:
-                raise KeyError("the hook predicate matched no probe; see model.hook_names()")
-            return found
-        if selector in self._hook_points:
-            return [(selector, self._hook_points[selector])]
-        close = difflib.get_close_matches(selector, self._hook_points, n=5, cutoff=0.5)
-        raise KeyError(f"no probe named {selector!r}; closest: {close or 'none'} (see model.hook_names())")
+        """The probe of this exact name (raises with the closest names)."""
+        if name not in self._hook_points:
+            close = difflib.get_close_matches(name, self._hook_points, n=5, cutoff=0.5)
+            raise KeyError(f"no probe named {name!r}; closest: {close or 'none'} (see model.hook_names())")
+        return self._hook_points[name]
 
     def select_hook_names(self, names: NameFilter) -> list[str]:
-        """``None`` (all), a list of exact names, a substring, or a predicate -> matching probe names."""
+        """Probe names chosen by ``names``: None (all), an exact name, a substring, a predicate, or a list of these
+        (their union, in module order). A selector that matches nothing raises with the closest names."""
         if names is None:
             return self.hook_names()
         if callable(names):
-            return [n for n, _ in self.resolve_hook_names(names)]
+            found = [n for n in self._hook_points if names(n)]
+            if not found:
+                raise KeyError("the name predicate matched no probe; see model.hook_names()")
+            return found
         if isinstance(names, str):
             if names in self._hook_points:
                 return [names]
             found = [n for n in self._hook_points if names in n]
             if not found:
-                self.resolve_hook_names(names)  # raises with suggestions
+                self.hook_point(names)  # raises with suggestions
             return found
-        return [n for name in names for n, _ in self.resolve_hook_names(name)]
+        if not isinstance(names, Iterable):
+            raise ValueError(f"a probe selector is a name, a substring, a predicate or a list of these; got {names!r}")
+        chosen = {n for selector in names for n in self.select_hook_names(selector)}
+        return [n for n in self._hook_points if n in chosen]
 
     @contextmanager
-    def hooks(self, fwd_hooks: FwdHooks = ()) -> Iterator[None]:
-        """Attach ``(name_or_predicate, fn)`` pairs for the duration of the block; removed on exit, even on error.
+    def hooks(self, fwd_hooks: Hooks = (), bwd_hooks: Hooks = ()) -> Iterator[None]:
+        """Attach ``(selector, fn)`` pairs for the duration of the block; removed on exit, even on error.
+
+        ``fwd_hooks``: ``fn(activation, hook)`` may return a replacement of the same shape and dtype.
+        ``bwd_hooks``: ``fn(grad, hook)`` sees the gradient of the probe's tensor (of whatever is differentiated,
+        with respect to the activation) and may return a replacement; run backward inside the block.
 
         >>> with model.hooks(fwd_hooks=[("layers.1.hook_attn_out", lambda t, hook: t * 0)]):
         ...     logits = model(ids)
         """
-        attached: list[tuple[HookPoint, HookFn]] = []
+        attached: list[tuple[list[HookFn], HookFn]] = []
         try:
-            for selector, fn in fwd_hooks:
-                for _, point in self.resolve_hook_names(selector):
-                    point.fns.append(fn)
-                    attached.append((point, fn))
+            for kind, pairs in (("fwd_hooks", fwd_hooks), ("bwd_hooks", bwd_hooks)):
+                for pair in pairs:
+                    if not (isinstance(pair, tuple | list) and len(pair) == 2 and callable(pair[1])):
+                        raise ValueError(f"{kind} takes (selector, fn) pairs with fn(tensor, hook); got {pair!r}")
+                    selector, fn = pair
+                    for name in self.select_hook_names(selector):
+                        point = self._hook_points[name]
+                        fns = point.fns if kind == "fwd_hooks" else point.bwd_fns
+                        fns.append(fn)
+                        attached.append((fns, fn))
             yield
         finally:
-            for point, fn in reversed(attached):
-                point.fns.remove(fn)
+            for fns, fn in reversed(attached):
+                if any(f is fn for f in fns):  # reset_hooks() inside the block may have removed it already
+                    del fns[max(i for i, f in enumerate(fns) if f is fn)]
 
-    def run_with_hooks(self, input_ids: torch.Tensor, fwd_hooks: FwdHooks = (), **forward_kwargs) -> torch.Tensor:
-        """``model(input_ids, **forward_kwargs)`` with ``fwd_hooks`` attached for this one forward."""
-        with self.hooks(fwd_hooks=fwd_hooks):
-            return self(input_ids, **forward_kwargs)
+    def reset_hooks(self) -> None:
+        """Detach every function from every probe: the way out when an interactive session lost track of its hooks.
+        A ``hooks`` block that is still open exits cleanly afterwards."""
+        for point in self._hook_points.values():
+            point.fns.clear()
+            point.bwd_fns.clear()
 
-    def run_with_cache(self, input_ids: torch.Tensor, names: NameFilter = None,
-                       device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+    def run_with_cache(self, input_ids: torch.Tensor | str | list[str], names: NameFilter = None,
+                       device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
+                       names_filter: NameFilter = None, incl_bwd: bool = False,
                        **forward_kwargs) -> tuple[torch.Tensor, ActivationCache]:
-        """Forward once and record the probes selected by ``names`` -> ``(logits, cache)``.
+        """Forward once and record the probes selected by ``names`` (or ``names_filter``, the same) ->
+        ``(output, cache)``, ``output`` what ``model(input_ids, **forward_kwargs)`` returns.
 
-        ``names``: None (every probe), a list of exact names, a substring (``"hook_resid_post"``) or a predicate.
+        ``names``: None (every probe), an exact name, a substring (``"hook_resid_post"``), a predicate, or a list.
         Tensors are stored detached (the forward still builds its graph if grad is on), moved to ``device`` and, if
         floating point, cast to ``dtype`` when given. Recording hooks go after any already attached, so a cache
         taken inside ``model.hooks(...)`` holds the edited activations. Asking for ``hook_pattern`` or
         ``hook_attn_scores`` makes the naive attention path leave its fused kernel for an explicit softmax.
-        """
-        store: dict[str, torch.Tensor] = {}
 
-        def record(tensor: torch.Tensor, hook: HookPoint) -> None:
+        ``incl_bwd=True``: the output must be a scalar (``return_type="loss"``, or "both", whose loss is used); its
+        gradient with respect to every selected probe is stored as ``name + "_grad"`` (through
+        ``torch.autograd.grad``: parameters' ``.grad`` are left alone). Probes that carry no gradient (the integer
+        ``hook_topk_idx``, the detached ``hook_max_logit``, and ``hook_choice_scores``, which only ranks experts)
+        get no ``_grad`` entry.
+        """
+        if names_filter is not None:
+            if names is not None:
+                raise ValueError("give names= or names_filter= (two spellings of the same selector), not both")
+            names = names_filter
+        from ..analysis.cache import ActivationCache  # the model package does not import analysis at import time
+
+        selected = self.select_hook_names(names)
+        store: dict[str, torch.Tensor] = {}
+        live: dict[str, torch.Tensor] = {}  # with incl_bwd: the activations themselves, to differentiate against
+
+        def stored(tensor: torch.Tensor) -> torch.Tensor:
             tensor = tensor.detach()
             if device is not None or dtype is not None:
                 tensor = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
-            store[hook.name] = tensor
+            return tensor
 
-        with self.hooks(fwd_hooks=[(name, record) for name in self.select_hook_names(names)]):
-            logits = self(input_ids, **forward_kwargs)
-        from ..analysis.cache import ActivationCache  # the cache type is analysis; imported on first use
+        def record(tensor: torch.Tensor, hook: HookPoint) -> None:
+            if incl_bwd and tensor.requires_grad:
+                live[hook.name] = tensor
+            store[hook.name] = stored(tensor)
 
-        return logits, ActivationCache(store, self)
-
-    def reset_hooks(self) -> None:
-        """Detach every function from every probe (a safety net for interactive sessions)."""
-        for point in self._hook_points.values():
-            point.fns.clear()
+        with torch.enable_grad() if incl_bwd else nullcontext(), self.hooks(fwd_hooks=[(selected, record)]):
+            output = self(input_ids, **forward_kwargs)
+            if incl_bwd:
+                scalar = output[1] if isinstance(output, tuple) else output
+                if not isinstance(scalar, torch.Tensor) or scalar.numel() != 1 or not scalar.requires_grad:
+                    got = tuple(scalar.shape) if isinstance(scalar, torch.Tensor) else type(scalar).__name__
+                    raise ValueError(f"incl_bwd=True differentiates a scalar output, e.g. return_type='loss'; the "
+                                     f"forward returned {got}")
+                grads = torch.autograd.grad(scalar, list(live.values()), allow_unused=True)
+                for name, grad in zip(list(live), grads, strict=True):
+                    if grad is not None:
+                        store[name + "_grad"] = stored(grad)
+        return output, ActivationCache(store, self)

@@ -7,19 +7,37 @@ untied head with float32 logits.
 
 Module paths mirror the checkpoint's tensor names without the leading ``model.``: the probe
 ``layers.3.self_attn.hook_kv_latent`` sits next to ``model.layers.3.self_attn.kv_a_proj_with_mqa.weight``.
+
+Padded batches: ``attention_mask`` [B, T] (1 = token, 0 = pad) hides pads from every query and gives them no
+position, so a padded row's real positions get the logits of that row run alone (left or right padding; the
+latent cache remembers which cached positions were pads across decode steps).
+
+The model holds whatever tokenizer is attached as ``model.tokenizer`` (``k2lab.load`` attaches the checkpoint
+folder's own); then text goes in wherever ids do: ``model("def f(")``, ``model.to_tokens(texts)``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import K2Config
-from .attention import AttnImpl, LatentCache, MultiHeadLatentAttention
+from .attention import AttnImpl, LatentCache, MultiHeadLatentAttention, causal_mask
 from .hooks import HookedModule, HookPoint
+from .loss import head_cross_entropy
 from .moe import MoE, SwiGLU
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from ..tokenizer.tokenizer import K2Tokenizer
+
+ReturnType = Literal["logits", "loss", "both"]
+TextOrIds = torch.Tensor | str | Sequence[str]
 
 
 class DecoderLayer(nn.Module):
@@ -32,6 +50,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = MultiHeadLatentAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        if isinstance(self.mlp, MoE):  # a replacement route must name real experts
+            self.mlp.gate.hook_topk_idx.index_bound = cfg.n_routed_experts
         self.hook_resid_pre = HookPoint()  # [B, T, D] block input
         self.hook_attn_out = HookPoint()  # [B, T, D] attention's write to the residual
         self.hook_resid_mid = HookPoint()  # [B, T, D] after attention
@@ -39,9 +59,9 @@ class DecoderLayer(nn.Module):
         self.hook_resid_post = HookPoint()  # [B, T, D] block output
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LatentCache | None, attn_impl: AttnImpl) -> torch.Tensor:
+                cache: LatentCache | None, attn_impl: AttnImpl, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.hook_resid_pre(x)
-        attn = self.self_attn(self.input_layernorm(x), rope, cos, sin, cache, self.layer, attn_impl)
+        attn = self.self_attn(self.input_layernorm(x), rope, cos, sin, cache, self.layer, attn_impl, attn_mask)
         x = self.hook_resid_mid(x + self.hook_attn_out(attn))
         return self.hook_resid_post(x + self.hook_mlp_out(self.mlp(self.post_attention_layernorm(x))))
 
@@ -71,6 +91,8 @@ class K2Model(HookedModule):
         if dtype is not None:
             self.to(dtype)
         self.name_hook_points()
+        self.tokenizer: K2Tokenizer | None = None  # whatever is attached; k2lab.load attaches the checkpoint's own
+        self._running = False  # a forward is under way (a hook that runs the model again would recurse)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
@@ -98,31 +120,158 @@ class K2Model(HookedModule):
         devices = [layer.input_layernorm.weight.device for layer in self.layers]  # per block, for a device_map
         return LatentCache(self.config, batch_size, self.dtype, devices, num_layers=len(self.layers))
 
-    def forward(self, input_ids: torch.Tensor, cache: LatentCache | None = None,
-                attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
-        """input_ids [B, T] (int) -> logits [B, T, V] float32. With a cache, positions continue from
-        ``cache.length`` and the new tokens' latents are appended to it."""
-        x = self.last_hidden_state(input_ids, cache, attn_impl)  # [B, T, D]
+    def forward(self, input_ids: TextOrIds, cache: LatentCache | None = None, attn_impl: AttnImpl = "absorbed", *,
+                attention_mask: torch.Tensor | None = None, return_type: ReturnType = "logits",
+                loss_per_token: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, T] (int), or text (a string, or a list of strings left-padded into a batch) through
+        ``model.tokenizer`` -> by ``return_type``:
+
+        - ``"logits"``: float32 logits [B, T, V];
+        - ``"loss"``: the mean next-token cross-entropy in nats over the positions whose token and next token are
+          both real (``attention_mask``); computed chunk by chunk from the final hidden states, as in training,
+          so the [B, T, V] logits are never held (unless ``hook_logits`` is probed or ``loss_per_token``);
+        - ``"both"``: (logits, loss).
+
+        ``loss_per_token=True`` makes the loss [B, T - 1]: position t scores token t + 1, 0 where excluded.
+        ``attention_mask`` [B, T]: 1 for a token, 0 for a pad (see the module docstring). With a cache, positions
+        continue from what it holds and the new tokens' latents are appended to it.
+        """
+        if return_type not in ("logits", "loss", "both"):
+            raise ValueError(f"return_type must be 'logits', 'loss' or 'both', got {return_type!r}")
+        if loss_per_token and return_type == "logits":
+            raise ValueError("loss_per_token=True asks for a loss: use return_type='loss' or 'both'")
+        ids, attention_mask = self._ids_and_mask(input_ids, attention_mask)
+        x = self.last_hidden_state(ids, cache, attn_impl, attention_mask=attention_mask)  # [B, T, D]
+        if return_type == "logits":
+            return self._logits(x)
+        if ids.shape[1] < 2:
+            raise ValueError(f"a next-token loss needs at least 2 tokens per row; got {ids.shape[1]}")
+        targets = ids[:, 1:].to(x.device)  # [B, T-1]
+        scored = torch.ones_like(targets, dtype=torch.bool)  # [B, T-1] token and target both real
+        if attention_mask is not None:
+            scored = (attention_mask[:, 1:] & attention_mask[:, :-1]).to(x.device)
+            if not torch.compiler.is_compiling() and not scored.any():
+                raise ValueError("no position has both a real token and a real next token (attention_mask)")
+        logits = None
+        if return_type == "both" or loss_per_token or self.hook_logits.active or not isinstance(self.lm_head,
+                                                                                               nn.Linear):
+            logits = self._logits(x)
+            per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1).to(x.device), targets.flatten(),
+                                        reduction="none").view_as(targets) * scored  # [B, T-1]
+            loss = per_token if loss_per_token else per_token.sum() / scored.sum().clamp(min=1)
+        else:
+            weight = self.lm_head.weight
+            hidden, targets = x[:, :-1].flatten(0, 1), targets.flatten()  # [N, D], [N]
+            if attention_mask is not None:  # the scored positions only
+                hidden, targets = hidden[scored.flatten()], targets[scored.flatten()]
+            loss = head_cross_entropy(hidden.to(weight.device), weight, targets.to(weight.device)).to(self.device)
+        return loss if logits is None or return_type == "loss" else (logits, loss)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.hook_logits(self.lm_head(x.to(self.lm_head.weight.device)).float())  # [B, T, V]
         return logits.to(self.device)  # where the ids were sent, as if the model were on one device
 
     def last_hidden_state(self, input_ids: torch.Tensor, cache: LatentCache | None = None,
-                          attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
+                          attn_impl: AttnImpl = "absorbed", *, attention_mask: torch.Tensor | None = None
+                          ) -> torch.Tensor:
         """The forward up to the head: the final normalised residual [B, T, D] (``norm.hook_out``), which the
         head turns into logits. Training feeds it to the head chunk by chunk (``k2lab.model.loss``)."""
+        if torch.compiler.is_compiling():  # a compiled training step: no hook runs the model inside it
+            return self._hidden(input_ids, cache, attn_impl, attention_mask)
+        if self._running:
+            raise RuntimeError("the model was called while its own forward is running, from a hook: every hook "
+                               "fires again in the inner forward, so this would recurse without end. Record what "
+                               "you need first (run_with_cache), then run the edited forward")
+        self._running = True
+        try:
+            return self._hidden(input_ids, cache, attn_impl, attention_mask)
+        finally:
+            self._running = False
+
+    def _hidden(self, input_ids: torch.Tensor, cache: LatentCache | None, attn_impl: AttnImpl,
+                attention_mask: torch.Tensor | None) -> torch.Tensor:
         ids = self._check_input(input_ids, cache)
         B, T = ids.shape
         start = cache.length if cache is not None else 0
-        positions = torch.arange(start, start + T, device=ids.device)
-        cos, sin = self.rotary_emb.cos_sin(positions)  # [T, R] each, shared by every layer
+        keys = self._key_mask(attention_mask, cache, B, T, ids.device)  # [B, S] bool, None: no pads anywhere
+        if keys is None:
+            positions = torch.arange(start, start + T, device=ids.device)  # [T]
+            cos, sin = self.rotary_emb.cos_sin(positions)  # [T, R] each, shared by every row and layer
+            attn_mask = None
+        else:
+            # Pads take no position: a token's position counts the real tokens before it in its row.
+            positions = (keys.cumsum(-1) - 1).clamp(min=0)[:, start:]  # [B, T]
+            cos, sin = (t.view(B, T, -1) for t in self.rotary_emb.cos_sin(positions.flatten()))  # [B, T, R]
+            attn_mask = padded_causal_mask(keys, T)  # [B, 1, T, S]
         x = self.embed_tokens.hook_out(self.embed_tokens(ids))  # [B, T, D]
         for layer in self.layers:
             # With a device_map, blocks live on several devices: the residual (and the rotary table) follow them.
             device = layer.input_layernorm.weight.device
-            x = layer(x.to(device), self.rotary_emb, cos.to(device), sin.to(device), cache, attn_impl)
+            mask = attn_mask.to(device) if attn_mask is not None else None
+            x = layer(x.to(device), self.rotary_emb, cos.to(device), sin.to(device), cache, attn_impl, mask)
         if cache is not None:
             cache.advance(T)
         return self.norm.hook_out(self.norm(x.to(self.norm.weight.device)))  # [B, T, D]
+
+    def _key_mask(self, attention_mask: torch.Tensor | None, cache: LatentCache | None, B: int, T: int,
+                  device: torch.device) -> torch.Tensor | None:
+        """[B, S] bool: which key positions (cached, then new) hold real tokens; None when none is a pad."""
+        if attention_mask is None and (cache is None or cache.token_mask is None):
+            return None
+        if attention_mask is None:  # decoding after a padded prefill: the new tokens are real
+            new = torch.ones(B, T, dtype=torch.bool, device=device)
+        else:
+            new = check_attention_mask(attention_mask, B, T).to(device)
+        return cache.key_mask(new) if cache is not None else new
+
+    # ---- text -------------------------------------------------------------------------------------------------------
+    def _require_tokenizer(self, what: str) -> K2Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer and this model has none attached. Attach one with "
+                             "model.tokenizer = k2lab.load_tokenizer(path_or_repo_id) (k2lab.load attaches it by "
+                             "itself when the checkpoint folder holds tiktoken.model and tokenizer_config.json), "
+                             "or pass token ids")
+        return self.tokenizer
+
+    def to_tokens(self, text: str | Sequence[str], padding_side: Literal["left", "right"] = "left",
+                  return_mask: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Text -> ids [1, T] (one string) or [B, T] (a list, padded on ``padding_side``), on the model's device;
+        with ``return_mask`` also the attention mask [B, T] (1 = token, 0 = pad). No BOS is added (K2 adds none)."""
+        tok = self._require_tokenizer("to_tokens")
+        if isinstance(text, str):
+            ids = torch.tensor([tok.encode(text)], dtype=torch.long)
+            mask = torch.ones_like(ids)
+        else:
+            ids, mask = tok.encode_padded(list(text), padding_side=padding_side)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        return (ids, mask) if return_mask else ids
+
+    def to_str_tokens(self, text_or_ids: str | torch.Tensor | Sequence[int]) -> list[str] | list[list[str]]:
+        """Each token as readable text (bytes that are not whole characters as <0xNN>): a list for a string or a
+        [T] / [1, T] row of ids, a list of lists for a [B, T] batch."""
+        tok = self._require_tokenizer("to_str_tokens")
+        ids = tok.encode(text_or_ids) if isinstance(text_or_ids, str) else torch.as_tensor(text_or_ids).tolist()
+        if ids and isinstance(ids[0], list):
+            rows = [[tok.id_to_piece(i) for i in row] for row in ids]
+            return rows[0] if len(rows) == 1 else rows
+        return [tok.id_to_piece(i) for i in ids]
+
+    def _ids_and_mask(self, input_ids: TextOrIds, attention_mask: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Text through the tokenizer (a list left-padded, with its mask); ids and the given mask as they are."""
+        is_text = isinstance(input_ids, str) or (isinstance(input_ids, list | tuple) and len(input_ids) > 0
+                                                 and all(isinstance(t, str) for t in input_ids))
+        if not is_text:
+            ids = torch.as_tensor(input_ids)
+            ids = ids[None] if ids.dim() == 1 else ids
+            if attention_mask is None or ids.dim() != 2:  # bad ids are named by _check_input
+                return ids, None
+            return ids, check_attention_mask(attention_mask, *ids.shape)
+        if attention_mask is not None:
+            raise ValueError("attention_mask is made by the tokenizer for text input; pass ids to give your own")
+        self._require_tokenizer("text input")
+        ids, mask = self.to_tokens(input_ids, return_mask=True)
+        return ids, (None if bool(mask.all()) else mask.bool())
 
     def _check_input(self, input_ids: torch.Tensor, cache: LatentCache | None) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor):
@@ -153,3 +302,24 @@ class K2Model(HookedModule):
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"cache holds {cache.batch_size} rows but input_ids has {B}")
         return input_ids.to(self.device)
+
+
+def check_attention_mask(attention_mask: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """``attention_mask`` [B, T] (or [T] for one row) of 0/1 or bool -> bool [B, T]; anything else raises."""
+    mask = torch.as_tensor(attention_mask)
+    mask = mask[None] if mask.dim() == 1 else mask
+    if tuple(mask.shape) != (B, T) or mask.is_floating_point() or mask.is_complex():
+        raise ValueError(f"attention_mask must be integer or bool [B, T] = {(B, T)} (1 = token, 0 = pad); got "
+                         f"{mask.dtype} {tuple(mask.shape)}")
+    if mask.dtype != torch.bool and not torch.compiler.is_compiling() and ((mask != 0) & (mask != 1)).any():
+        raise ValueError(f"attention_mask holds values other than 0 and 1: {sorted(mask.unique().tolist())[:5]}")
+    return mask.bool()
+
+
+def padded_causal_mask(keys: torch.Tensor, num_queries: int) -> torch.Tensor:
+    """[B, 1, T, S] bool, True where query t (the last T of S positions) may see key s: causally, and only real
+    tokens (``keys`` [B, S]). Every query also sees itself, so a pad's row is never empty: its softmax stays finite
+    and its output, which nothing real reads, cannot turn into NaN and leak through a zero weight."""
+    S = keys.shape[1]
+    own = torch.arange(S, device=keys.device)[None, :] == torch.arange(S - num_queries, S, device=keys.device)[:, None]
+    return ((causal_mask(num_queries, S, keys.device) & keys[:, None, :]) | own)[:, None]

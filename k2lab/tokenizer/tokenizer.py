@@ -215,6 +215,30 @@ class K2Tokenizer:
             batch.append(ids)
         return batch
 
+    def encode_padded(self, texts: Sequence[str], padding_side: str = "left", pad_id: int | None = None,
+                      allow_special: bool | None = None):
+        """A padded batch: ``(ids, attention_mask)``, two long tensors [B, T], T the longest text's length, the
+        mask 1 at tokens and 0 at pads. ``padding_side="left"`` (for generation: every row ends at its last token)
+        or ``"right"``. Pads are ``pad_id``, by default the ``[PAD]`` special token if the vocabulary has one, else
+        EOS; the model never reads them when given the mask."""
+        import torch  # only this method needs torch
+
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        if isinstance(texts, str) or not texts:
+            raise ValueError(f"texts must be a non-empty list of strings (one text: encode); got {texts!r:.60}")
+        pad = self.special_tokens.get("[PAD]", self.eos_id) if pad_id is None else pad_id
+        self._check_ids([pad])
+        rows = self.encode_batch(texts, allow_special)
+        width = max(len(row) for row in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            cols = slice(width - len(row), width) if padding_side == "left" else slice(0, len(row))
+            ids[i, cols] = torch.tensor(row, dtype=torch.long)
+            mask[i, cols] = 1
+        return ids, mask
+
     def _layout(self, text: str, allow_special: bool) -> list[str | int]:
         """`text` as plain chunks (str) and special ids (int), in order."""
         text = _repair_surrogates(text)

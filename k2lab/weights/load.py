@@ -79,6 +79,7 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
     if cache is not None:
         model.expert_cache = cache
     model.load_notes = _mtp_notes(checkpoint, full)
+    model.tokenizer = _tokenizer_in(folder)
     return model
 
 
@@ -95,6 +96,16 @@ def _mtp_notes(checkpoint: Checkpoint, cfg: K2Config) -> list[str]:
             "speculative decoding and play no part in the main model's logits, which k2lab computes")
     logger.info(note)
     return [note]
+
+
+def _tokenizer_in(folder: Path):
+    """The tokenizer shipped beside the weights (K2's tiktoken.model and tokenizer_config.json, or a
+    tokenizer.json), or None."""
+    from ..tokenizer.tokenizer import CONFIG_FILE, RANKS_FILE, load_tokenizer
+
+    if (folder / RANKS_FILE).is_file() and (folder / CONFIG_FILE).is_file() or (folder / "tokenizer.json").is_file():
+        return load_tokenizer(folder)
+    return None
 
 
 def slice_layers(cfg: K2Config, num_layers: int | None) -> K2Config:

@@ -1,0 +1,89 @@
+"""nnsight and PyTorch hooks on every named probe: ``NNsight(model).layers[i]....hook_x.output`` reads what
+run_with_cache records and sets what ``model.hooks`` replacements set; ``register_forward_hook`` on a probe fires.
+(nnsight compiles a trace's body from this file's source, so these checks must live in a file.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_oracle import randomize
+
+from k2lab import K2Config, K2Model
+
+nnsight = pytest.importorskip("nnsight", reason="nnsight is an optional test dependency (pip install nnsight)")
+
+TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def model() -> K2Model:
+    model = K2Model(TINY).eval()
+    randomize(model, 0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def ids() -> torch.Tensor:
+    return torch.randint(0, TINY.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+def envoy_of(wrapped, name: str):
+    """The nnsight envoy of a probe name: ``layers.1.mlp.gate.hook_topk_idx`` -> wrapped.layers[1].mlp.gate...."""
+    envoy = wrapped
+    for part in name.split("."):
+        envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+    return envoy
+
+
+@pytest.mark.parametrize("attn_impl", ["naive", "absorbed"])
+def test_nnsight_reads_every_probe_as_run_with_cache(model, ids, attn_impl):
+    with torch.no_grad():
+        _, cache = model.run_with_cache(ids, attn_impl=attn_impl)
+        wrapped = nnsight.NNsight(model)
+        saved = {}
+        with wrapped.trace(ids, attn_impl=attn_impl):
+            for name in cache:  # in firing order, as nnsight requires
+                saved[name] = envoy_of(wrapped, name).output.save()
+    assert list(saved) == list(cache) and len(saved) == len(model.hook_names())
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, cache[name]), name
+
+
+def test_nnsight_edits_equal_hook_edits(model, ids):
+    forced = torch.tensor([3, 5, 7, 11])
+
+    def route(idx, hook):
+        return forced.expand_as(idx).clone()
+
+    with torch.no_grad():
+        with model.hooks(fwd_hooks=[("layers.1.hook_attn_out", lambda t, hook: torch.zeros_like(t)),
+                                    ("layers.2.mlp.gate.hook_topk_idx", route)]):
+            expected, cache = model.run_with_cache(ids, names="layers.2.mlp.gate.hook_topk_weights")
+        plain = model(ids)
+        wrapped = nnsight.NNsight(model)
+        with wrapped.trace(ids):
+            wrapped.layers[1].hook_attn_out.output[:] = 0
+            wrapped.layers[2].mlp.gate.hook_topk_idx.output[:] = forced
+            weights = wrapped.layers[2].mlp.gate.hook_topk_weights.output.save()
+            edited = wrapped.output.save()
+    assert torch.equal(edited, expected)
+    assert torch.equal(weights, cache["layers.2.mlp.gate.hook_topk_weights"])  # the router reweighed the new route
+    assert not torch.allclose(edited, plain)
+
+
+def test_pytorch_forward_hooks_fire_on_probes(model, ids):
+    seen = []
+    point = model.layers[1].self_attn.hook_pattern
+    handles = [point.register_forward_hook(lambda module, args, out: seen.append(out.shape)),
+               model.layers[1].hook_attn_out.register_forward_hook(lambda module, args, out: out * 0)]
+    try:
+        assert point.active  # a forward hook alone makes the naive path compute the pattern for it
+        with torch.no_grad():
+            edited = model(ids, attn_impl="naive")
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == [torch.Size([2, 4, 7, 7])]
+    assert not point.active
+    with torch.no_grad(), model.hooks(fwd_hooks=[("layers.1.hook_attn_out", lambda t, hook: t * 0)]):
+        assert torch.equal(edited, model(ids, attn_impl="naive"))
