@@ -13,6 +13,10 @@ from torch import nn
 from ..config import K2Config
 from .hooks import HookPoint
 
+# The router's correction bias is held (and stored, and read) in float32 whatever dtype the rest of the model uses:
+# its steps are ~1e-3, and bfloat16 rounding would change which experts are chosen.
+CORRECTION_BIAS_DTYPE = torch.float32
+
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)): the dense MLP of the first blocks and the shared expert."""
@@ -25,6 +29,25 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def allowed_experts(choice: torch.Tensor, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+    """[..., E] bool: the experts in the ``topk_group`` best groups, a group scored by the sum of its two best
+    choice scores (everything when n_group == 1). This is the router's group limit."""
+    if n_group <= 1:
+        return torch.ones_like(choice, dtype=torch.bool)
+    grouped = choice.unflatten(-1, (n_group, -1))  # [..., G, E/G]
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [..., G]
+    kept = group_scores.topk(topk_group, dim=-1).indices  # [..., topk_group]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, kept, True)  # [..., G]
+    return keep[..., None].expand(grouped.shape).flatten(-2)  # [..., E]
+
+
+def select_experts(choice: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+    """[..., k] the router's choice: top-k of ``choice`` [..., E] among the allowed groups, best first."""
+    if n_group > 1:
+        choice = choice.masked_fill(~allowed_experts(choice, n_group, topk_group), float("-inf"))
+    return choice.topk(top_k, dim=-1).indices
 
 
 class Router(nn.Module):
@@ -49,7 +72,7 @@ class Router(nn.Module):
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))  # [E, D]
         self.e_score_correction_bias: torch.Tensor
-        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=CORRECTION_BIAS_DTYPE))
         self.hook_logits = HookPoint()  # [B, T, E] float32
         self.hook_scores = HookPoint()  # [B, T, E] sigmoid(logits)
         self.hook_choice_scores = HookPoint()  # [B, T, E] scores + correction bias
@@ -57,8 +80,7 @@ class Router(nn.Module):
         self.hook_topk_weights = HookPoint()  # [B, T, k] float32 weights of the chosen experts
 
     def _apply(self, fn, recurse=True):
-        # The bias stays float32 whatever dtype the model moves to: its steps are ~1e-3 and bfloat16 rounding
-        # would change which experts are chosen. Devices still follow.
+        # The bias stays CORRECTION_BIAS_DTYPE whatever dtype the model moves to; devices still follow.
         bias = self.e_score_correction_bias
         super()._apply(fn, recurse)
         self.e_score_correction_bias = bias.to(self.e_score_correction_bias.device)
@@ -68,13 +90,7 @@ class Router(nn.Module):
         logits = self.hook_logits(F.linear(x.float(), self.weight.float()))  # [B, T, E]
         scores = self.hook_scores(logits.sigmoid())
         choice = self.hook_choice_scores(scores + self.e_score_correction_bias)
-        if self.n_group > 1:
-            grouped = choice.unflatten(-1, (self.n_group, -1))  # [B, T, G, E/G]
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [B, T, G]
-            kept = group_scores.topk(self.topk_group, dim=-1).indices  # [B, T, topk_group]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, kept, True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)  # [B, T, E]
-        idx = self.hook_topk_idx(choice.topk(self.top_k, dim=-1).indices)  # [B, T, k]
+        idx = self.hook_topk_idx(select_experts(choice, self.top_k, self.n_group, self.topk_group))  # [B, T, k]
         weights = scores.gather(-1, idx)  # [B, T, k]
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
