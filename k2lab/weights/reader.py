@@ -207,7 +207,7 @@ class Checkpoint:
             elif torch.device(device).type != "meta":  # (a meta stage reads nothing: another process checks it)
                 tensor = self.read(info)
                 try:
-                    weight.format.check_unheld(part, tensor)
+                    weight.format.check_unheld(weight.spec, part, tensor)
                 except ValueError as err:
                     raise CheckpointError(f"{info.file}: {err}") from err
         return tuple(held)

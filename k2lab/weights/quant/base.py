@@ -87,8 +87,9 @@ class QuantFormat:
         (tensor,) = held
         return tensor if dtype is None else tensor.to(dtype)
 
-    def check_unheld(self, stored: Stored, tensor: torch.Tensor) -> None:
-        """Check the value of a stored tensor that is not held (INT4's ``weight_shape``); raise ValueError if wrong."""
+    def check_unheld(self, spec: TensorSpec, stored: Stored, tensor: torch.Tensor) -> None:
+        """Check the value of a stored tensor of ``spec`` that is not held (INT4's ``weight_shape``); raise
+        ValueError if wrong."""
 
     def quantization_config(self) -> dict[str, Any] | None:
         """The config.json entry announcing this format (None: none)."""
