@@ -82,7 +82,7 @@ class QuantFormat:
         raise NotImplementedError(f"{self.name} stores no matrix quantized")
 
     def dequantize(self, held: tuple[torch.Tensor, ...], dtype: torch.dtype | None) -> torch.Tensor:
-        """The held tensors of one matrix (or a stack: [..., O, ...]) -> [..., O, I] in ``dtype``. Unquantized: the
+        """The held tensors of one matrix (or stacks of them, [E, ...]) -> [..., O, I] in ``dtype``. Unquantized: the
         tensor itself, converted (None keeps its dtype)."""
         (tensor,) = held
         return tensor if dtype is None else tensor.to(dtype)

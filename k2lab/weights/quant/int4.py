@@ -43,12 +43,6 @@ def pack(values: torch.Tensor) -> torch.Tensor:
     return (words - (words >= 2**31) * 2**32).to(torch.int32)  # the same 32 bits, read as a signed word
 
 
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [..., O, I/8] -> int8 [..., O, I] in -8..7 (``pack`` undone)."""
-    nibbles = (packed[..., None] >> _SHIFTS.to(packed.device)) & 0xF  # [..., O, I/8, 8]
-    return (nibbles.flatten(-2) - 8).to(torch.int8)
-
-
 @register
 @dataclass(frozen=True)
 class Int4Format(QuantFormat):
@@ -100,9 +94,10 @@ class Int4Format(QuantFormat):
         """(packed [..., O, I/8], scale [..., O, I/g]) -> [..., O, I]: each product is exact in float32 (a 4-bit
         integer times a bfloat16), then rounded once to ``dtype`` (default bfloat16)."""
         packed, scale = held
-        values = unpack(packed).float().unflatten(-1, (-1, self.group_size))  # [..., O, I/g, g]
-        weight = (values * scale.to(values.device, torch.float32)[..., None]).flatten(-2)  # [..., O, I]
-        return weight.to(dtype or torch.bfloat16)
+        nibbles = (packed[..., None] >> _SHIFTS.to(packed.device)) & 0xF  # [..., O, I/8, 8]: column 8j + k
+        weight = nibbles.view(*packed.shape[:-1], -1, self.group_size).float().sub_(8)  # [..., O, I/g, g] q
+        weight.mul_(scale.to(weight.device, torch.float32)[..., None])  # (in place: one float32 buffer)
+        return weight.flatten(-2).to(dtype or torch.bfloat16)  # [..., O, I]
 
     def check_unheld(self, spec: TensorSpec, stored: Stored, tensor: torch.Tensor) -> None:
         if tensor.tolist() != list(spec.shape):
