@@ -31,7 +31,7 @@ def write_mini(folder: Path) -> Path:
     from k2lab import K2Config, K2Model
     from k2lab.lab.nano import save_checkpoint
 
-    model = K2Model(K2Config.mini().replace(fp8_block_size=(128, 128)))
+    model = K2Model(K2Config.mini())
     model.init_weights(seed=0)
     return save_checkpoint(model, folder)
 

@@ -30,13 +30,13 @@ from torch import nn
 
 import k2lab
 from k2lab import K2Config
-from k2lab.analysis.accounting import layer_tensors, tensor_bytes
 from k2lab.model.attention import LatentCache
 from k2lab.model.moe import RoutedExperts, Router
 from k2lab.model.norm import RMSNorm
 from k2lab.model.rope import RotaryEmbedding
 from k2lab.model.transformer import DecoderLayer
-from k2lab.weights.quant.fp8 import EXPERT_PROJS, FP8Linear, FP8RoutedExperts, quantize
+from k2lab.weights.quant.fp8 import FP8Format, FP8Linear, FP8RoutedExperts
+from k2lab.weights.schema import EXPERT_PROJS, layer_tensors
 from k2lab.weights.writer import write_checkpoint
 
 GB = 1e9
@@ -70,24 +70,24 @@ def machine_limits(device: torch.device, size: int) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def random_fp8_block(cfg: K2Config, layer: int, device: torch.device, seed: int = 0) -> DecoderLayer:
+def random_fp8_block(cfg: K2Config, fmt: FP8Format, layer: int, device: torch.device, seed: int = 0) -> DecoderLayer:
     """Block ``layer`` of ``cfg`` with its matrices FP8-resident, filled with random N(0, 1/fan_in) weights
     quantized on ``device``; norms one, router random with a non-zero correction bias."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def fp8(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize(torch.randn(rows, cols, device=device, generator=gen) / math.sqrt(cols), cfg.fp8_block_size)
+        return fmt.quantize("weight", torch.randn(rows, cols, device=device, generator=gen) / math.sqrt(cols))
 
     with torch.device("meta"):
         block = DecoderLayer(cfg, layer)
     for name, module in list(block.named_modules()):
         parent, _, leaf = name.rpartition(".")
         if isinstance(module, nn.Linear):
-            linear = FP8Linear(module.in_features, module.out_features, cfg.fp8_block_size, device=device)
+            linear = FP8Linear(module.in_features, module.out_features, fmt.block, device=device)
             linear.weight_fp8, linear.weight_scale_inv = fp8(module.out_features, module.in_features)
             setattr(block.get_submodule(parent), leaf, linear)
         elif isinstance(module, RoutedExperts):
-            experts = FP8RoutedExperts(cfg, device=device)
+            experts = FP8RoutedExperts(cfg, fmt.block, device=device)
             for e in range(cfg.n_routed_experts):
                 for proj in EXPERT_PROJS:
                     values, scale = fp8(*getattr(experts, f"{proj}_fp8").shape[1:])
@@ -125,9 +125,9 @@ def dequantized_copy(block: DecoderLayer, cfg: K2Config) -> DecoderLayer:
     return dense
 
 
-def block_bytes(cfg: K2Config, layer: int) -> int:
-    """What accounting.py says the block holds FP8-resident: e4m3 matrices with scales, bfloat16 rest."""
-    return sum(tensor_bytes(s, fp8=True, scales=True, block=cfg.fp8_block_size) for s in layer_tensors(cfg, layer))
+def block_bytes(cfg: K2Config, fmt: FP8Format, layer: int) -> int:
+    """What the FP8 format says the block holds FP8-resident: e4m3 matrices with scales, bfloat16 rest."""
+    return sum(fmt.tensor_bytes(s, scales=True) for s in layer_tensors(cfg, layer))
 
 
 @torch.no_grad()
@@ -150,12 +150,11 @@ def time_block(block: DecoderLayer, cfg: K2Config, device: torch.device, tokens:
     return out
 
 
-def decode_bytes(cfg: K2Config, layer: int, context: int) -> int:
+def decode_bytes(cfg: K2Config, fmt: FP8Format, layer: int, context: int) -> int:
     """FP8 bytes one decode step must read in a block: all but the unchosen experts, and the latent cache."""
     specs = layer_tensors(cfg, layer)
     chosen = cfg.num_experts_per_tok / cfg.n_routed_experts
-    weights = sum(tensor_bytes(s, fp8=True, scales=True, block=cfg.fp8_block_size)
-                  * (chosen if s.component == "routed_experts" else 1) for s in specs)
+    weights = sum(fmt.tensor_bytes(s, scales=True) * (chosen if s.component == "routed_experts" else 1) for s in specs)
     return int(weights) + context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
 
 
@@ -169,7 +168,7 @@ def active_flops(cfg: K2Config, layer: int, tokens: int) -> float:
 @torch.no_grad()
 def device_map_check(device: torch.device) -> str:
     """A mini FP8 checkpoint, loaded split across the CPU and ``device``, against the CPU alone."""
-    cfg = K2Config.mini().replace(fp8_block_size=(128, 128), vocab_size=1024)
+    cfg = K2Config.mini().replace(vocab_size=1024)
     source = random_state(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     lines = []
@@ -218,7 +217,8 @@ def main() -> None:
               "python -m benchmarks.gpu_check (or --smoke to exercise the script on the CPU at mini size).")
         return
     device = torch.device("cpu" if args.smoke else "cuda:0")
-    cfg = K2Config.mini().replace(fp8_block_size=(32, 32)) if args.smoke else K2Config.kimi_k2()
+    cfg = K2Config.mini() if args.smoke else K2Config.kimi_k2()
+    fmt = FP8Format(block=(32, 32) if args.smoke else (128, 128))
     tokens = [1, 16, 64] if args.smoke else args.tokens
     context = 64 if args.smoke else args.context
     torch.manual_seed(0)
@@ -230,15 +230,15 @@ def main() -> None:
     results = {}
     for label, layer in (("dense block 0", 0), ("MoE block", cfg.first_k_dense_replace)):
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        block = random_fp8_block(cfg, layer, device)
+        block = random_fp8_block(cfg, fmt, layer, device)
         if device.type == "cuda":
             held = torch.cuda.memory_allocated(device) - before
             print(f"{label}: FP8-resident {held / GB:.3f} GB on the GPU; accounting.py predicts "
-                  f"{block_bytes(cfg, layer) / GB:.3f} GB")
+                  f"{block_bytes(cfg, fmt, layer) / GB:.3f} GB")
         results[label] = time_block(block, cfg, device, tokens, context)
         if layer == cfg.first_k_dense_replace:
             del block  # make room for the bfloat16 copy
-            block = dequantized_copy(random_fp8_block(cfg, layer, device), cfg)
+            block = dequantized_copy(random_fp8_block(cfg, fmt, layer, device), cfg)
             results["MoE block, bf16"] = time_block(block, cfg, device, tokens, context)
         del block
 
@@ -256,7 +256,7 @@ def main() -> None:
         print(f"prefill T={T:>5}: {T / total:>10,.1f} tokens/s for {cfg.num_hidden_layers} blocks; MoE block at "
               f"{rate / matmul:.1%} of the bf16 matmul rate")
     step = dense["decode"] * cfg.first_k_dense_replace + moe["decode"] * blocks
-    moved = decode_bytes(cfg, cfg.first_k_dense_replace, context) / moe["decode"]
+    moved = decode_bytes(cfg, fmt, cfg.first_k_dense_replace, context) / moe["decode"]
     print(f"decode: {1 / step:,.1f} tokens/s for {cfg.num_hidden_layers} blocks; the MoE block reads its FP8 "
           f"bytes at {moved / GB:,.0f} GB/s = {moved / bandwidth:.1%} of the copy bandwidth")
     print("\ndevice_map (a mini FP8 checkpoint against the CPU alone):")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import k2lab
 from k2lab import K2Config
-from k2lab.analysis.accounting import checkpoint_tensors
+from k2lab.weights.schema import checkpoint_tensors
 
 from .timing import alternate, copy_bandwidth, matmul_rate
 

@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 
 from k2lab import K2Config
-from k2lab.analysis.accounting import TensorSpec, weight_bytes
-from k2lab.weights.quant.fp8 import FP8, FP8_MAX, scale_shape
+from k2lab.analysis.accounting import weight_bytes
+from k2lab.weights.quant.fp8 import FP8, FP8_MAX, FP8Format, scale_shape
 from k2lab.weights.reader import INDEX_FILE
+from k2lab.weights.schema import TensorSpec
 from k2lab.weights.writer import write_checkpoint
 
 CONFIG = K2Config.kimi_k2().replace(num_hidden_layers=1, first_k_dense_replace=0)
@@ -42,10 +43,10 @@ class RandomRelease:
         self.pool = (torch.randn(POOL_SIZE, generator=self.gen) * SIGMA).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
     def __call__(self, spec: TensorSpec) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if spec.fp8:
+        if spec.quantizable:  # the release stores every quantizable matrix in FP8
             start = torch.randint(0, POOL_SIZE - spec.numel, (), generator=self.gen).item()
             values = self.pool[start : start + spec.numel].view(spec.shape)
-            jitter = 1 + 0.1 * (torch.rand(scale_shape(spec.shape, self.cfg.fp8_block_size), generator=self.gen) - 0.5)
+            jitter = 1 + 0.1 * (torch.rand(scale_shape(spec.shape, FP8Format().block), generator=self.gen) - 0.5)
             return values, jitter / (SIGMA * math.sqrt(spec.shape[1]))
         if spec.component == "norms" or spec.name.endswith("layernorm.weight"):
             return torch.ones(spec.shape)

@@ -58,7 +58,6 @@ class K2Config:
     # Multi-token-prediction blocks stored after the main blocks (DeepSeek-V3: 1, ``model.layers.61.*``). They
     # draft the token after next for speculative decoding; k2lab counts them apart and does not load them.
     num_nextn_predict_layers: int = 0
-    fp8_block_size: tuple[int, int] | None = (128, 128)  # checkpoint quantization blocks; None = unquantized
 
     def __post_init__(self) -> None:
         positive = [
@@ -114,8 +113,6 @@ class K2Config:
             raise ValueError(f"K2Config.rope_type must be None or 'yarn', got {self.rope_type!r}")
         if self.rope_type == "yarn" and self.rope_factor < 1:
             raise ValueError(f"K2Config.rope_factor must be >= 1 for YaRN, got {self.rope_factor}")
-        if self.fp8_block_size is not None:
-            object.__setattr__(self, "fp8_block_size", tuple(self.fp8_block_size))
         for name in ("bos_token_id", "eos_token_id"):
             token = getattr(self, name)
             if token is not None and not 0 <= token < self.vocab_size:
@@ -184,7 +181,6 @@ class K2Config:
             num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=96,
             kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16,
             num_experts_per_tok=4, routed_scaling_factor=2.827, bos_token_id=None, eos_token_id=None,
-            fp8_block_size=None,
         )
 
     @classmethod

@@ -94,7 +94,7 @@ KIMI_LINEAR = {
 
 
 def architecture(cfg) -> dict:
-    """A config's fields less how its checkpoint stores weights (which the quantization seam owns)."""
+    """A config's fields (the architecture: how a checkpoint stores weights is the quantization format's)."""
     import dataclasses
 
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k != "fp8_block_size"}
+    return dataclasses.asdict(cfg)

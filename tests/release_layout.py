@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from tiny import token_ids  # noqa: F401  (the loader tests take it from here)
 
 from k2lab import K2Config
+from k2lab.weights.quant.fp8 import FP8Format
 from k2lab.weights.writer import write_checkpoint
 
 # Dimensions chosen so no matrix is a whole number of blocks, with non-square blocks so a transposed scale grid
@@ -29,8 +30,9 @@ from k2lab.weights.writer import write_checkpoint
 TINY_FP8 = K2Config.mini().replace(
     vocab_size=384, hidden_size=200, intermediate_size=300, moe_intermediate_size=80, num_hidden_layers=4,
     q_lora_rank=72, kv_lora_rank=40, qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=16,
-    num_experts_per_tok=4, fp8_block_size=(32, 48),
+    num_experts_per_tok=4,
 )
+TINY_FORMAT = FP8Format(block=(32, 48))
 STALE = "model.layers.0.self_attn.rotary_emb.inv_freq"
 
 
@@ -72,12 +74,13 @@ def release(tmp_path_factory, cfg: K2Config = TINY_FP8, seed: int = 0) -> Path:
 
 def write_release(cfg: K2Config, folder: Path, seed: int = 0, num_shards: int = 4) -> None:
     """Random HF weights written as the release into ``folder``."""
-    hf = hf_model(cfg.replace(fp8_block_size=None), seed)
+    hf = hf_model(cfg, seed)
     with tempfile.TemporaryDirectory() as tmp, _quiet_transformers():
         hf.save_pretrained(tmp)  # per-expert names, as released
         tensors = {k: v for f in sorted(Path(tmp).glob("*.safetensors")) for k, v in load_file(f).items()}
     stale = {STALE: torch.arange(cfg.qk_rope_head_dim // 2, dtype=torch.float32)}
-    write_checkpoint(folder, cfg, lambda spec: tensors[spec.name], num_shards=num_shards, extra=stale)
+    write_checkpoint(folder, cfg, lambda spec: tensors[spec.name], num_shards=num_shards, format=TINY_FORMAT,
+                     extra=stale)
 
 
 def dequantized_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -102,7 +105,6 @@ def hf_reference(cfg: K2Config, tensors: dict[str, torch.Tensor], num_layers: in
     """HF DeepseekV3 (float32, eager) holding ``tensors``, optionally cut to its first ``num_layers`` blocks."""
     from transformers import DeepseekV3ForCausalLM
 
-    cfg = cfg.replace(fp8_block_size=None)
     if num_layers is not None:
         cfg = cfg.replace(num_hidden_layers=num_layers, first_k_dense_replace=min(cfg.first_k_dense_replace,
                                                                                   num_layers))

@@ -9,6 +9,9 @@ import pytest
 
 from k2lab import K2Config, K2Model
 from k2lab.model.rope import cos_sin_scale, inverse_frequencies, yarn_correction_range, yarn_ramp
+from k2lab.weights.hf_config import read_config
+from k2lab.weights.quant import UNQUANTIZED
+from k2lab.weights.quant.fp8 import FP8Format
 
 RELEASED = Path(__file__).parent / "data" / "kimi_k2_instruct_config.json"
 
@@ -29,7 +32,7 @@ def test_kimi_k2_preset_is_the_release():
     assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (128, 64, 128)
     assert (cfg.n_routed_experts, cfg.n_shared_experts, cfg.num_experts_per_tok) == (384, 1, 8)
     assert (cfg.moe_intermediate_size, cfg.intermediate_size, cfg.vocab_size) == (2048, 18432, 163840)
-    assert cfg.routed_scaling_factor == 2.827 and cfg.fp8_block_size == (128, 128)
+    assert cfg.routed_scaling_factor == 2.827 and read_config(RELEASED)[1] == FP8Format(block=(128, 128))
     assert (cfg.bos_token_id, cfg.eos_token_id) == (163584, 163585)
 
 
@@ -67,9 +70,9 @@ def test_hf_save_pretrained_config_round_trips():
 def test_deepseek_v3_style_config():
     raw = released() | {"model_type": "deepseek_v3", "q_lora_rank": None, "n_group": 8, "topk_group": 4,
                         "n_routed_experts": 256, "first_k_dense_replace": 3, "quantization_config": None}
-    cfg = K2Config.from_hf(raw)
+    cfg, fmt = read_config(raw)
     assert cfg.q_lora_rank is None and (cfg.n_group, cfg.topk_group) == (8, 4)
-    assert cfg.first_k_dense_replace == 3 and cfg.fp8_block_size is None
+    assert cfg.first_k_dense_replace == 3 and fmt == UNQUANTIZED
 
 
 @pytest.mark.parametrize(

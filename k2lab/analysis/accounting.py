@@ -1,124 +1,19 @@
 """Parameters, weight bytes and KV-cache bytes of a K2 configuration, computed from the config alone.
 
-Everything derives from one list, ``checkpoint_tensors(cfg)``: every tensor of the released checkpoint with
-its name, shape, component and storage format, so the counts can be checked against a checkpoint's headers
-and the loader can check shapes against the same source.
+Everything derives from one list, ``checkpoint_tensors(cfg)`` (k2lab.weights.schema): every tensor of the released
+checkpoint with its name, shape and component, the list the loader checks a checkpoint's headers against. Bytes
+come from the stored format (k2lab.weights.quant), which says what each matrix takes.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import K2Config
-
-COMPONENTS = ("embedding", "attention", "dense_mlp", "routed_experts", "shared_experts", "router", "norms", "head")
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One checkpoint tensor. ``fp8``: stored as e4m3 with 128x128 float32 scales in the FP8 release."""
-
-    name: str
-    shape: tuple[int, ...]
-    component: str
-    layer: int | None
-    fp8: bool
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-def _matrix(name, out_features, in_features, component, layer) -> TensorSpec:
-    return TensorSpec(name, (out_features, in_features), component, layer, fp8=True)
-
-
-def layer_tensors(cfg: K2Config, layer: int) -> list[TensorSpec]:
-    """The checkpoint tensors of one block, named as in the release (``model.layers.{i}. ...``)."""
-    D, H, p = cfg.hidden_size, cfg.num_attention_heads, f"model.layers.{layer}."
-    specs = [
-        TensorSpec(p + "input_layernorm.weight", (D,), "norms", layer, False),
-        TensorSpec(p + "post_attention_layernorm.weight", (D,), "norms", layer, False),
-    ]
-    a = p + "self_attn."
-    if cfg.q_lora_rank is None:
-        specs.append(_matrix(a + "q_proj.weight", H * cfg.qk_head_dim, D, "attention", layer))
-    else:
-        specs += [
-            _matrix(a + "q_a_proj.weight", cfg.q_lora_rank, D, "attention", layer),
-            TensorSpec(a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "attention", layer, False),
-            _matrix(a + "q_b_proj.weight", H * cfg.qk_head_dim, cfg.q_lora_rank, "attention", layer),
-        ]
-    specs += [
-        _matrix(a + "kv_a_proj_with_mqa.weight", cfg.kv_lora_rank + cfg.qk_rope_head_dim, D, "attention", layer),
-        TensorSpec(a + "kv_a_layernorm.weight", (cfg.kv_lora_rank,), "attention", layer, False),
-        _matrix(a + "kv_b_proj.weight", H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank,
-                "attention", layer),
-        _matrix(a + "o_proj.weight", D, H * cfg.v_head_dim, "attention", layer),
-    ]
-    m = p + "mlp."
-    if not cfg.is_moe_layer(layer):
-        I = cfg.intermediate_size
-        return specs + [
-            _matrix(m + "gate_proj.weight", I, D, "dense_mlp", layer),
-            _matrix(m + "up_proj.weight", I, D, "dense_mlp", layer),
-            _matrix(m + "down_proj.weight", D, I, "dense_mlp", layer),
-        ]
-    I = cfg.moe_intermediate_size
-    specs.append(TensorSpec(m + "gate.weight", (cfg.n_routed_experts, D), "router", layer, False))
-    if cfg.has_correction_bias:
-        specs.append(TensorSpec(m + "gate.e_score_correction_bias", (cfg.n_routed_experts,), "router", layer, False))
-    for e in range(cfg.n_routed_experts):
-        x = f"{m}experts.{e}."
-        specs += [
-            _matrix(x + "gate_proj.weight", I, D, "routed_experts", layer),
-            _matrix(x + "up_proj.weight", I, D, "routed_experts", layer),
-            _matrix(x + "down_proj.weight", D, I, "routed_experts", layer),
-        ]
-    if cfg.n_shared_experts:
-        S = I * cfg.n_shared_experts
-        specs += [
-            _matrix(m + "shared_experts.gate_proj.weight", S, D, "shared_experts", layer),
-            _matrix(m + "shared_experts.up_proj.weight", S, D, "shared_experts", layer),
-            _matrix(m + "shared_experts.down_proj.weight", D, S, "shared_experts", layer),
-        ]
-    return specs
-
-
-def checkpoint_tensors(cfg: K2Config) -> list[TensorSpec]:
-    """Every tensor of a K2 checkpoint for ``cfg``, in model order (FP8 scales not included)."""
-    V, D = cfg.vocab_size, cfg.hidden_size
-    specs = [TensorSpec("model.embed_tokens.weight", (V, D), "embedding", None, False)]
-    for layer in range(cfg.num_hidden_layers):
-        specs += layer_tensors(cfg, layer)
-    specs.append(TensorSpec("model.norm.weight", (D,), "norms", None, False))
-    specs.append(TensorSpec("lm_head.weight", (V, D), "head", None, False))
-    return specs
-
-
-def mtp_tensors(cfg: K2Config) -> list[TensorSpec]:
-    """The multi-token-prediction blocks stored after the main ones (DeepSeek-V3: ``model.layers.61.*``), as
-    released: each holds eh_proj [D, 2D] (joins the normed hidden state and the normed next-token embedding), enorm,
-    hnorm, a whole block, and copies of the embedding and of the head with its norm (``shared_head``). Component
-    "mtp"; k2lab counts them but does not load them."""
-    V, D = cfg.vocab_size, cfg.hidden_size
-    specs = []
-    for layer in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
-        p = f"model.layers.{layer}."
-        block = layer_tensors(cfg, layer)
-        specs += [dataclasses.replace(s, component="mtp") for s in block] + [
-            TensorSpec(p + "embed_tokens.weight", (V, D), "mtp", layer, False),
-            TensorSpec(p + "enorm.weight", (D,), "mtp", layer, False),
-            TensorSpec(p + "hnorm.weight", (D,), "mtp", layer, False),
-            _matrix(p + "eh_proj.weight", D, 2 * D, "mtp", layer),
-            TensorSpec(p + "shared_head.norm.weight", (D,), "mtp", layer, False),
-            TensorSpec(p + "shared_head.head.weight", (V, D), "mtp", layer, False),
-        ]
-    return specs
+from ..weights.quant import QuantFormat, resolve_format
+from ..weights.schema import COMPONENTS, checkpoint_tensors, layer_tensors, mtp_tensors
 
 
 @dataclass(frozen=True)
@@ -185,26 +80,13 @@ def attention_parameters(cfg: K2Config) -> int:
     return sum(spec.numel for spec in layer_tensors(cfg, 0) if spec.component == "attention")
 
 
-def _fp8_scale_numel(spec: TensorSpec, block: tuple[int, int]) -> int:
-    return math.ceil(spec.shape[0] / block[0]) * math.ceil(spec.shape[1] / block[1])
-
-
-def tensor_bytes(spec: TensorSpec, fp8: bool = True, dtype: torch.dtype = torch.bfloat16,
-                 scales: bool = False, block: tuple[int, int] = (128, 128)) -> int:
-    """Bytes one tensor takes: 1 per FP8 value (+ float32 block scales if ``scales``), the correction bias in
-    float32, everything else in ``dtype``."""
-    if spec.name.endswith("e_score_correction_bias"):
-        return spec.numel * 4
-    if fp8 and spec.fp8:
-        return spec.numel + (4 * _fp8_scale_numel(spec, block) if scales else 0)
-    return spec.numel * torch.empty((), dtype=dtype).element_size()
-
-
-def weight_bytes(cfg: K2Config, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, scales: bool = False) -> int:
-    """Bytes of all weights. ``fp8=True``: the release's FP8 matrices; embedding, head, norms and router in
-    ``dtype`` (958.3 GiB for K2; block scales excluded unless ``scales=True``)."""
-    block = cfg.fp8_block_size or (128, 128)
-    return sum(tensor_bytes(s, fp8, dtype, scales, block) for s in checkpoint_tensors(cfg))
+def weight_bytes(cfg: K2Config, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, scales: bool = False, *,
+                 format: QuantFormat | str | None = None) -> int:
+    """Bytes of all weights as stored. ``fp8=True``: the release's FP8 matrices, embedding, head, norms and router in
+    ``dtype`` (958.3 GiB for K2; block scales excluded unless ``scales=True``); ``fp8=False``: everything in
+    ``dtype``. ``format`` (a QuantFormat or a name: ``"fp8"``, ``"int4"``, ``"unquantized"``) overrides ``fp8``."""
+    fmt = resolve_format(format, fp8)
+    return sum(fmt.tensor_bytes(spec, dtype, scales) for spec in checkpoint_tensors(cfg))
 
 
 def kv_cache_bytes(cfg: K2Config, n_tokens: int, layout: str = "latent", dtype: torch.dtype = torch.bfloat16,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from ..model.moe import MoE, Router
-from .routing import allowed_experts, moe_layers
+from .routing import allowed_experts, group_best, moe_layers
 
 if TYPE_CHECKING:
     from ..model.hooks import HookFn, HookPoint, NameFilter
@@ -99,7 +99,8 @@ def _reroute_hooks(prefix: str, gate: Router, ablated: torch.Tensor) -> list[tup
         if not hit.any():
             return None
         choice = seen["choice"]  # [B, T, E] before the group limit, as the router saw it
-        eligible = allowed_experts(choice, gate.n_group, gate.topk_group) & ~ablated  # [B, T, E]
+        allowed = allowed_experts(choice, gate.n_group, gate.topk_group, group_best(gate.topk_method))  # [B, T, E]
+        eligible = allowed & ~ablated  # [B, T, E]
         eligible = eligible.scatter(-1, idx, False)  # experts already chosen keep their own slots
         best = choice.masked_fill(~eligible, float("-inf")).topk(gate.top_k, dim=-1)  # [B, T, k] best first
         rank = (hit.cumsum(-1) - 1).clamp(min=0)  # the j-th ablated slot of a token takes the j-th candidate

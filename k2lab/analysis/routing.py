@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from ..model.moe import allowed_experts, group_best, select_experts  # noqa: F401 - the router's own rule, re-exported
+
 if TYPE_CHECKING:
     from ..model.transformer import K2Model
     from .cache import ActivationCache
@@ -51,24 +53,6 @@ def moe_layers(model: K2Model) -> list[int]:
     if not layers:
         raise ValueError("this model has no MoE layer (first_k_dense_replace >= num_hidden_layers)")
     return layers
-
-
-def allowed_experts(choice: torch.Tensor, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
-    """[..., E] bool: the experts in the ``topk_group`` best groups, a group scored by the sum of its two best
-    choice scores (everything when n_group == 1). This is the router's group limit."""
-    if n_group <= 1:
-        return torch.ones_like(choice, dtype=torch.bool)
-    grouped = choice.unflatten(-1, (n_group, -1))  # [..., G, E/G]
-    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [..., G]
-    kept = group_scores.topk(topk_group, dim=-1).indices  # [..., topk_group]
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, kept, True)  # [..., G]
-    return keep[..., None].expand(grouped.shape).flatten(-2)  # [..., E]
-
-
-def select_experts(choice: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
-    """[..., k] the router's choice: top-k of ``choice`` [..., E] among the allowed groups, best first."""
-    limited = choice.masked_fill(~allowed_experts(choice, n_group, topk_group), float("-inf"))
-    return limited.topk(top_k, dim=-1).indices
 
 
 @dataclass
@@ -136,7 +120,8 @@ class RoutingTrace:
             raise KeyError(f"a routing trace needs the gate probes of every MoE layer; missing e.g. {missing[:3]}")
         indices, weights = cache.stack("gate.hook_topk_idx"), cache.stack("gate.hook_topk_weights")
         scores, choice = cache.stack("gate.hook_scores"), cache.stack("gate.hook_choice_scores")
-        unbiased = select_experts(scores, indices.shape[-1], cfg.n_group, cfg.topk_group)
+        best = group_best(cfg.topk_method)
+        unbiased = select_experts(scores, indices.shape[-1], cfg.n_group, cfg.topk_group, best)  # [L_moe, B, T, k]
         flips = (indices.sort(-1).values != unbiased.sort(-1).values).any(-1)  # [L_moe, B, T]
         return cls(layers, indices, weights, scores, choice, unbiased, flips)
 

@@ -44,8 +44,10 @@ from ..model.generate import generate
 from ..model.hooks import FwdHooks, HookPoint, NameFilter
 from ..model.transformer import DecoderLayer, K2Model
 from ..weights import hub
+from ..weights.hf_config import read_config
 from ..weights.load import load, slice_layers
 from ..weights.placement import Plan, _describe, device_capacity, placement_units, plan, unit_of
+from ..weights.quant import UNQUANTIZED, QuantFormat
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # a rank may wait this long for a slower rank's load (60 GB from disk)
 _ATTN_IMPLS: tuple[AttnImpl, ...] = ("naive", "absorbed")
@@ -105,17 +107,21 @@ def _describe_stages(stages: Mapping[str, int], world_size: int) -> str:
     return "\n".join(f"rank {r}: {_describe([u for u, s in stages.items() if s == r])}" for r in range(world_size))
 
 
-def _read_config(path_or_repo_id: str | Path, revision: str | None, num_layers: int | None) -> K2Config:
-    """The config the load will build, without reading any weights (config.json only, from the Hub if need be)."""
+def _read_config(path_or_repo_id: str | Path, revision: str | None, num_layers: int | None
+                 ) -> tuple[K2Config, QuantFormat]:
+    """The config the load will build and its stored format, without reading any weights (config.json only, from
+    the Hub if need be)."""
     local = Path(path_or_repo_id).expanduser()
     if local.is_dir():
-        return slice_layers(K2Config.from_hf(local / "config.json"), num_layers)
+        cfg, fmt = read_config(local / "config.json")
+        return slice_layers(cfg, num_layers), fmt
     if isinstance(path_or_repo_id, Path) or not hub.is_repo_id(path_or_repo_id):
         raise FileNotFoundError(f"{path_or_repo_id} is neither a checkpoint folder nor a Hub repo id")
     config = hub.fetch_file(path_or_repo_id, "config.json", revision)
     if config is None:
         raise FileNotFoundError(f"Hub repo {path_or_repo_id} has no config.json")
-    return slice_layers(K2Config.from_hf(config), num_layers)
+    cfg, fmt = read_config(config)
+    return slice_layers(cfg, num_layers), fmt
 
 
 def _capacity(device: torch.device) -> int:
@@ -149,7 +155,7 @@ class PipelinedK2:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.last = self.world_size - 1
         self.bytes_sent = 0  # payload this rank has sent to other ranks (a broadcast counts once per receiver)
-        cfg = self._on_every_rank("read config.json", lambda: _read_config(
+        cfg, fmt = self._on_every_rank("read config.json", lambda: _read_config(
             path_or_repo_id, load_kwargs.get("revision"), load_kwargs.get("num_layers")))
         self.plan: Plan | None = None
         if stages is None:
@@ -157,9 +163,10 @@ class PipelinedK2:
             if len(capacities) != self.world_size:
                 raise ValueError(f"devices must give one capacity in bytes per rank ({self.world_size}), "
                                  f"got {devices!r}")
-            resident = load_kwargs.get("fp8_resident")  # load's default: e4m3 stays e4m3 on GPUs only
-            fp8 = cfg.fp8_block_size is not None and (resident if resident is not None else self.device.type != "cpu")
-            placed = plan(cfg, capacities, fp8=fp8, dtype=dtype or torch.bfloat16,
+            # load's default: quantized matrices stay quantized on GPUs only
+            resident = load_kwargs.get("quantized_resident", load_kwargs.get("fp8_resident"))
+            keeps = resident if resident is not None else self.device.type != "cpu"
+            placed = plan(cfg, capacities, format=fmt if keeps else UNQUANTIZED, dtype=dtype or torch.bfloat16,
                           expert_budget_bytes=load_kwargs.get("expert_budget_bytes"))
             self.plan = dataclasses.replace(placed, devices=tuple(f"rank {r}" for r in range(self.world_size)))
             stages = self.plan.units

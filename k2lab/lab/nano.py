@@ -4,7 +4,6 @@ per-expert names, the tokenizer files, the training log) and read by the same lo
 
 from __future__ import annotations
 
-import re
 from importlib import resources
 from pathlib import Path
 
@@ -13,12 +12,13 @@ import torch
 from ..model.transformer import K2Model
 from ..tokenizer.tokenizer import K2Tokenizer
 from ..weights.load import load
+from ..weights.quant import QuantFormat
+from ..weights.schema import EXPERT_TENSOR
 from ..weights.writer import write_checkpoint
 
 # Package data: found through importlib.resources, so an installed wheel carries it as an editable checkout does.
 # The checkpoint and its tokenizer share one folder, as in the release.
 NANO_DIR = Path(str(resources.files("k2lab.lab") / "assets" / "nano"))
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
 
 
 def load_nano(dtype: torch.dtype = torch.float32) -> tuple[K2Model, K2Tokenizer]:
@@ -30,16 +30,17 @@ def load_nano(dtype: torch.dtype = torch.float32) -> tuple[K2Model, K2Tokenizer]
     return model, model.tokenizer
 
 
-def save_checkpoint(model: K2Model, folder: str | Path, *, fp8: bool = True) -> Path:
-    """Write a model in the release layout (FP8 matrices when ``fp8``, per-expert tensor names)."""
+def save_checkpoint(model: K2Model, folder: str | Path, *, fp8: bool = True,
+                    format: QuantFormat | str | None = None) -> Path:
+    """Write a model in the release layout, per-expert tensor names, its matrices in ``format`` (a QuantFormat or a
+    name; default: FP8 in 128x128 blocks when ``fp8``, else unquantized)."""
     state = model.state_dict()
 
     def tensor(spec):
-        expert = _EXPERT.fullmatch(spec.name)
+        expert = EXPERT_TENSOR.fullmatch(spec.name)
         if expert:
             layer, index, proj = expert.groups()
             return state[f"layers.{layer}.mlp.experts.{proj}"][int(index)]
         return state[spec.name.removeprefix("model.")]
 
-    cfg = model.config if not fp8 or model.config.fp8_block_size else model.config.replace(fp8_block_size=(128, 128))
-    return write_checkpoint(folder, cfg, tensor, fp8=fp8)
+    return write_checkpoint(folder, model.config, tensor, fp8=fp8, format=format)

@@ -13,6 +13,10 @@ from torch import nn
 from ..config import K2Config
 from .hooks import HookPoint
 
+# The router's correction bias is held (and stored, and read) in float32 whatever dtype the rest of the model uses:
+# its steps are ~1e-3, and bfloat16 rounding would change which experts are chosen.
+CORRECTION_BIAS_DTYPE = torch.float32
+
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)): the dense MLP of the first blocks and the shared expert."""
@@ -25,6 +29,32 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def group_best(topk_method: str) -> int:
+    """How many of a group's best choice scores add up to the group's score: two for ``noaux_tc`` (K2,
+    DeepSeek-V3), one for DeepSeek-V2's ``group_limited_greedy``."""
+    return 2 if topk_method == "noaux_tc" else 1
+
+
+def allowed_experts(choice: torch.Tensor, n_group: int = 1, topk_group: int = 1, best: int = 2) -> torch.Tensor:
+    """[..., E] bool: the experts in the ``topk_group`` best groups, a group scored by the sum of its ``best``
+    choice scores (everything when n_group == 1). This is the router's group limit."""
+    if n_group <= 1:
+        return torch.ones_like(choice, dtype=torch.bool)
+    grouped = choice.unflatten(-1, (n_group, -1))  # [..., G, E/G]
+    group_scores = grouped.topk(best, dim=-1).values.sum(-1)  # [..., G]
+    kept = group_scores.topk(topk_group, dim=-1).indices  # [..., topk_group]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, kept, True)  # [..., G]
+    return keep[..., None].expand(grouped.shape).flatten(-2)  # [..., E]
+
+
+def select_experts(choice: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1,
+                   best: int = 2) -> torch.Tensor:
+    """[..., k] the router's choice: top-k of ``choice`` [..., E] among the allowed groups, best first."""
+    if n_group > 1:
+        choice = choice.masked_fill(~allowed_experts(choice, n_group, topk_group, best), float("-inf"))
+    return choice.topk(top_k, dim=-1).indices
 
 
 class Router(nn.Module):
@@ -55,7 +85,7 @@ class Router(nn.Module):
         self.scoring_func, self.topk_method = cfg.scoring_func, cfg.topk_method
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))  # [E, D]
         self.e_score_correction_bias: torch.Tensor | None
-        bias = torch.zeros(cfg.n_routed_experts, dtype=torch.float32) if cfg.has_correction_bias else None
+        bias = torch.zeros(cfg.n_routed_experts, dtype=CORRECTION_BIAS_DTYPE) if cfg.has_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         self.hook_logits = HookPoint()  # [B, T, E] float32
         self.hook_scores = HookPoint()  # [B, T, E] sigmoid(logits), or softmax(logits) for a softmax router
@@ -64,8 +94,7 @@ class Router(nn.Module):
         self.hook_topk_weights = HookPoint()  # [B, T, k] float32 weights of the chosen experts
 
     def _apply(self, fn, recurse=True):
-        # The bias stays float32 whatever dtype the model moves to: its steps are ~1e-3 and bfloat16 rounding
-        # would change which experts are chosen. Devices still follow.
+        # The bias stays CORRECTION_BIAS_DTYPE whatever dtype the model moves to; devices still follow.
         bias = self.e_score_correction_bias
         super()._apply(fn, recurse)
         if bias is not None:
@@ -80,15 +109,8 @@ class Router(nn.Module):
         else:
             scores = self.hook_scores(logits.softmax(dim=-1))
             choice = self.hook_choice_scores(scores)
-        if self.n_group > 1:
-            grouped = choice.unflatten(-1, (self.n_group, -1))  # [B, T, G, E/G]
-            # noaux_tc scores a group by its top-2 choice scores, group_limited_greedy by its best one.
-            best = 2 if self.topk_method == "noaux_tc" else 1
-            group_scores = grouped.topk(best, dim=-1).values.sum(-1)  # [B, T, G]
-            kept = group_scores.topk(self.topk_group, dim=-1).indices  # [B, T, topk_group]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, kept, True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)  # [B, T, E]
-        idx = self.hook_topk_idx(choice.topk(self.top_k, dim=-1).indices)  # [B, T, k]
+        idx = select_experts(choice, self.top_k, self.n_group, self.topk_group, group_best(self.topk_method))
+        idx = self.hook_topk_idx(idx)  # [B, T, k]
         weights = scores.gather(-1, idx)  # [B, T, k]
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

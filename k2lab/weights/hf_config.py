@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import K2Config
+from .quant import QuantFormat, format_from_quantization_config
 
 # Keys of a HF config that describe the file, the training run or HF runtime switches, not the computation
 # k2lab performs. They are read and dropped. Everything not listed here or handled below is refused.
@@ -40,15 +41,36 @@ _REFUSED_MODEL_TYPES = {
 }
 _REFUSED_KEYS = {"index_topk": "deepseek_v32", "index_n_heads": "deepseek_v32", "index_head_dim": "deepseek_v32",
                  "linear_attn_config": "kimi_linear"}
+# The released-config keys that may be absent, with the value their absence means (the DeepseekV3 reference code's
+# and HF transformers' meaning). Any other K2Config field missing from a config.json is an error naming it: taking
+# K2's value for, say, a missing hidden_size would build the wrong model silently.
+OPTIONAL_KEYS: dict[str, Any] = {
+    "q_lora_rank": None,  # no query latent: a plain q_proj
+    "n_group": 1,  # no expert groups: top-k over all experts
+    "topk_group": 1,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "rope_interleave": True,  # the released layout: rotary dims stored as interleaved pairs
+    "rms_norm_eps": 1e-6,
+}
+# K2Config fields config.json spells otherwise (rope_parameters, rope_scaling, rope_theta): read by _rope_from_hf.
+_ROPE_FIELDS = frozenset({"rope_type", "rope_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                          "mscale", "mscale_all_dim", "rope_theta"})
 
 
 def config_from_hf(source: str | Path | dict) -> K2Config:
-    """Read a HF ``config.json`` (a path to the file or its folder, or the parsed dict).
+    """Read a HF ``config.json`` (a path to the file or its folder, or the parsed dict): the architecture.
 
     Accepts Kimi's release (``model_type: kimi_k2``, ``rope_scaling``, FP8 ``quantization_config``), HF 5
     (``rope_parameters``) and DeepseekV3 configs. Raises ValueError naming any key or value k2lab does not
-    implement (another scoring function, MTP layers, an unknown quantization, ...).
+    implement (another scoring function, MTP layers, an unknown quantization, ...) and any required key missing.
     """
+    return read_config(source)[0]
+
+
+def read_config(source: str | Path | dict) -> tuple[K2Config, QuantFormat]:
+    """A checkpoint's config.json (a path to the file or its folder, or the parsed dict): the architecture, and the
+    stored format its ``quantization_config`` announces (``UNQUANTIZED`` without one). See ``config_from_hf``."""
     if isinstance(source, dict):
         raw, where = dict(source), "config"
     else:
@@ -61,17 +83,14 @@ def config_from_hf(source: str | Path | dict) -> K2Config:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON: {err}") from err
         where = str(path)
-    return K2Config(**_fields_from_hf(raw, where))
+    fmt = format_from_quantization_config(raw.get("quantization_config"), where)
+    return K2Config(**_fields_from_hf(raw, where)), fmt
 
 
-def config_to_hf(cfg: K2Config) -> dict[str, Any]:
-    """This config as a HF DeepseekV3 ``config.json`` dict (HF 5 style, ``rope_parameters``)."""
-    out: dict[str, Any] = {
-        f.name: getattr(cfg, f.name)
-        for f in dataclasses.fields(cfg)
-        if f.name not in {"rope_type", "rope_factor", "original_max_position_embeddings", "beta_fast",
-                          "beta_slow", "mscale", "mscale_all_dim", "rope_theta", "fp8_block_size"}
-    }
+def config_to_hf(cfg: K2Config, format: QuantFormat | None = None) -> dict[str, Any]:
+    """This config as a HF DeepseekV3 ``config.json`` dict (HF 5 style, ``rope_parameters``), with ``format``'s
+    ``quantization_config`` when it has one."""
+    out: dict[str, Any] = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _ROPE_FIELDS}
     rope: dict[str, Any] = {"rope_type": cfg.rope_type or "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_type == "yarn":
         rope.update(
@@ -87,11 +106,9 @@ def config_to_hf(cfg: K2Config) -> dict[str, Any]:
         num_key_value_heads=cfg.num_attention_heads, attention_bias=False, tie_word_embeddings=False,
         rope_parameters=rope,
     )
-    if cfg.fp8_block_size is not None:
-        out["quantization_config"] = {
-            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": list(cfg.fp8_block_size),
-        }
+    quantization = format.quantization_config() if format is not None else None
+    if quantization is not None:
+        out["quantization_config"] = quantization
     return out
 
 
@@ -133,35 +150,35 @@ def _fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"{where}: k2lab does not implement the config key(s) {unknown}")
 
-    fields = {k: v for k, v in raw.items() if k in names and k not in {"rope_type", "fp8_block_size"}}
+    defaults = {**OPTIONAL_KEYS, **_family_defaults(model_type)}
+    missing = sorted(names - _ROPE_FIELDS - set(defaults) - set(raw))
+    if missing:
+        raise ValueError(f"{where}: required key(s) {missing} missing (only {sorted(defaults)} have defaults)")
+    fields = {k: v for k, v in raw.items() if k in names and k not in _ROPE_FIELDS}
     for key in ("bos_token_id", "eos_token_id"):
         if isinstance(fields.get(key), list):  # HF allows several eos ids; K2 has one
             ids = fields[key]
             if len(ids) != 1:
                 raise ValueError(f"{where}: {key}={ids}: k2lab supports a single id")
             fields[key] = ids[0]
-    fields.setdefault("bos_token_id", None)
-    fields.setdefault("eos_token_id", None)
-    fields.setdefault("q_lora_rank", None)
-    fields.setdefault("rope_interleave", True)
-    fields.setdefault("n_group", 1)
-    fields.setdefault("topk_group", 1)
-    # DeepSeek-V2's released defaults differ from V3's: softmax scores, greedy top-k, no renormalisation.
-    v2 = model_type == "deepseek_v2"
-    fields.setdefault("scoring_func", "softmax" if v2 else "sigmoid")
-    fields.setdefault("topk_method", "greedy" if v2 else "noaux_tc")
-    fields.setdefault("norm_topk_prob", not v2)
-    fields.setdefault("routed_scaling_factor", 1.0 if v2 else K2Config.routed_scaling_factor)
-    if fields.get("num_nextn_predict_layers") is None:
-        fields["num_nextn_predict_layers"] = 0
+    fields = {**OPTIONAL_KEYS, **_family_defaults(model_type), **fields}
     fields.update(_rope_from_hf(raw, where))
-    fields["fp8_block_size"] = _quantization_from_hf(raw.get("quantization_config"), where)
     if "n_shared_experts" in raw and raw["n_shared_experts"] is None:
         fields["n_shared_experts"] = 0
     for key in ("n_group", "topk_group"):
         if fields[key] is None:
             fields[key] = 1
     return fields
+
+
+def _family_defaults(model_type: str) -> dict[str, Any]:
+    """The keys a config may leave out whose meaning depends on the model type. A V3-style config (K2's) without
+    them means the sigmoid router with noaux_tc top-k and no MTP block; DeepSeek-V2's released defaults are softmax
+    scores, greedy top-k, no renormalisation and no scaling."""
+    if model_type == "deepseek_v2":
+        return {"scoring_func": "softmax", "topk_method": "greedy", "norm_topk_prob": False,
+                "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0}
+    return {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": 0}
 
 
 def _accept_scale_fmt(raw: dict, where: str) -> dict:
@@ -209,17 +226,3 @@ def _rope_from_hf(raw: dict, where: str) -> dict[str, Any]:
         "mscale": float(merged.get("mscale", 1.0)),
         "mscale_all_dim": float(merged.get("mscale_all_dim", 0.0)),
     }
-
-
-def _quantization_from_hf(quant: dict | None, where: str) -> tuple[int, int] | None:
-    """The FP8 block size of a checkpoint, or None for unquantized weights; anything else is refused."""
-    if not quant:
-        return None
-    method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
-    block = quant.get("weight_block_size")
-    if method != "fp8" or fmt != "e4m3" or not block or len(block) != 2:
-        raise ValueError(
-            f"{where}: quantization_config {quant} is not implemented by k2lab "
-            "(supported: quant_method 'fp8', fmt 'e4m3', a 2-d weight_block_size)"
-        )
-    return int(block[0]), int(block[1])

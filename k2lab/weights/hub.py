@@ -17,15 +17,18 @@ from huggingface_hub import hf_hub_download, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from tqdm.auto import tqdm
 
-from ..analysis.accounting import checkpoint_tensors
 from ..config import K2Config
-from .reader import INDEX_FILE, SCALE_SUFFIX, SINGLE_FILE, CheckpointError, read_weight_map
+from .reader import INDEX_FILE, SINGLE_FILE, CheckpointError, read_weight_map
+from .schema import checkpoint_tensors
 
 # Small files fetched with any slice: what k2lab.load_tokenizer reads (K2 ships a tiktoken rank file) and the
 # generation defaults. The repository's Python files are never fetched: k2lab runs no remote code.
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# A stored format's companions of tensor ``X.weight`` are named ``X.weight_<part>`` (FP8's ``weight_scale_inv``;
+# INT4's ``weight_packed``, ``weight_scale``, ``weight_shape``): the tensor an index entry belongs to.
+_COMPANION = re.compile(r"(.*\.weight)_\w+")
 
 
 def is_repo_id(name: str) -> bool:
@@ -45,17 +48,20 @@ def fetch_file(repo_id: str, filename: str, revision: str | None = None) -> Path
 
 def allow_patterns(cfg: K2Config, weight_map: Mapping[str, str] | None, source: str = INDEX_FILE) -> list[str]:
     """The files a load of ``cfg`` (already sliced to its blocks) needs: config, index, tokenizer files and the
-    shards holding its tensors and their FP8 scales. ``weight_map`` None: a single-file checkpoint."""
+    shards holding its tensors as stored, in whatever format (a matrix's FP8 scales or INT4 packing included).
+    ``weight_map`` None: a single-file checkpoint."""
     patterns = ["config.json", *TOKENIZER_FILES]
     if weight_map is None:
         return patterns + [SINGLE_FILE]
+    shards_of: dict[str, set[str]] = {}  # tensor -> the shards holding it or its companions
+    for name, shard in weight_map.items():
+        companion = _COMPANION.fullmatch(name)
+        shards_of.setdefault(companion[1] if companion else name, set()).add(shard)
     shards = set()
     for spec in checkpoint_tensors(cfg):
-        for name in (spec.name, spec.name + SCALE_SUFFIX):
-            if name in weight_map:
-                shards.add(weight_map[name])
-            elif name == spec.name:
-                raise CheckpointError(f"tensor {name} is not in {source}")
+        if spec.name not in shards_of:
+            raise CheckpointError(f"tensor {spec.name} is not in {source}")
+        shards |= shards_of[spec.name]
     return patterns + [INDEX_FILE, *sorted(shards)]
 
 

@@ -1,19 +1,19 @@
-"""``k2lab.load``: a K2 model from a checkpoint folder or a Hub repo id; whole or a prefix of its blocks; FP8
-dequantized at load or FP8-resident; routed experts resident or streamed; on one device or spread by a map.
+"""``k2lab.load``: a K2 model from a checkpoint folder or a Hub repo id; whole or a prefix of its blocks; quantized
+matrices (FP8, INT4) dequantized at load or kept quantized; routed experts resident or streamed; on one device or
+spread by a map.
 
 Each step can fail before the next begins, and nothing is returned until the last one succeeds:
 1. the source: a folder, or only the needed files from the Hub (hub.py);
-2. config.json, sliced to ``num_layers`` blocks;
-3. every needed tensor checked from the headers (checkpoint.py) and every block placed (placement.py);
-4. the model built on the meta device, with FP8-resident modules (fp8.py) and streamed experts (streaming.py)
-   where they apply;
+2. config.json: the architecture, sliced to ``num_layers`` blocks, and the stored format (hf_config.py, quant/);
+3. every needed tensor checked from the headers (reader.py) and every block placed (placement.py);
+4. the model built on the meta device, with quantized-resident modules (the format's) and streamed experts
+   (streaming.py) where they apply;
 5. each resident tensor read once and assigned.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,25 +23,28 @@ from tqdm.auto import tqdm
 from ..config import K2Config
 from ..model.moe import MoE
 from ..model.transformer import K2Model
-from ..weights import hub
+from . import hub
+from .hf_config import read_config
 from .placement import DeviceMap, resolve_device_map, unit_of
-from .quant.fp8 import EXPERT_PROJS, FP8Linear, FP8RoutedExperts
+from .quant import UNQUANTIZED, QuantFormat
 from .reader import DTYPES, Checkpoint, StoredWeight, is_mtp_tensor
+from .schema import EXPERT_PROJS, EXPERT_TENSOR, expert_tensor
 from .streaming import ExpertCache, StreamedExperts
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 logger = logging.getLogger(__name__)
 _PROGRESS_BYTES = 2**30  # loads reading more than this show a progress bar unless told otherwise
 
 
 def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revision: str | None = None,
          num_layers: int | None = None, expert_budget_bytes: int | None = None, device_map: DeviceMap = None,
-         fp8_resident: bool | None = None, progress: bool | None = None) -> K2Model:
-    """Load a K2 / DeepseekV3 checkpoint in the release layout.
+         quantized_resident: bool | None = None, fp8_resident: bool | None = None,
+         progress: bool | None = None) -> K2Model:
+    """Load a K2 / DeepseekV3 checkpoint in the release layout (unquantized, FP8 or INT4 experts, as its config.json's
+    ``quantization_config`` says).
 
     path_or_repo_id: a local folder, or a Hub repo id such as ``moonshotai/Kimi-K2-Instruct`` (cached; only the
         shards the load needs are fetched; ``HF_HUB_OFFLINE=1`` uses the cache alone).
-    dtype: the weights' dtype. Default: bfloat16 for FP8 checkpoints, as stored otherwise. The router's
+    dtype: the weights' dtype. Default: bfloat16 for quantized checkpoints, as stored otherwise. The router's
         correction bias always stays float32.
     revision: a Hub branch, tag or commit.
     num_layers: keep the first N blocks plus the final norm and the head: a logit-lens view of a prefix of the
@@ -50,8 +53,9 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
         most this many bytes; ``model.expert_cache.stats`` counts hits, misses, bytes read, evictions, peak.
     device_map: None (the CPU), ``"auto"`` (blocks balanced by bytes over the visible GPUs; the CPU if none) or
         {module prefix: device} over ``embed_tokens``, ``layers.{i}``, ``norm``, ``lm_head`` (``""``: the rest).
-    fp8_resident: keep FP8 matrices as e4m3 and dequantize at each use (memory ~ the FP8 bytes). Default: on
-        GPUs yes; on the CPU no (dequantized once at load).
+    quantized_resident: keep quantized matrices as stored (FP8 e4m3, packed INT4) and dequantize at each use (memory
+        ~ the stored bytes). Default: on GPUs yes; on the CPU no (dequantized once at load). ``fp8_resident`` is
+        its earlier name.
     progress: tqdm bars for downloads and reads. Default: only for reads over 1 GiB.
 
     ``model.load_notes`` lists what was left out on purpose: DeepSeek-V3/R1/V3.1's multi-token-prediction block
@@ -62,17 +66,20 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
     """
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)):
         raise ValueError(f"num_layers must be an integer, got {num_layers!r}")
+    if fp8_resident is not None and quantized_resident is not None and fp8_resident != quantized_resident:
+        raise ValueError(f"fp8_resident={fp8_resident} contradicts quantized_resident={quantized_resident}; "
+                         "give one (fp8_resident is the earlier name)")
+    resident = quantized_resident if quantized_resident is not None else fp8_resident
     folder = _source_folder(path_or_repo_id, revision, num_layers, progress)
-    full = K2Config.from_hf(folder / "config.json")
+    full, fmt = read_config(folder / "config.json")
     cfg = slice_layers(full, num_layers)
     checkpoint = Checkpoint(folder)
-    checkpoint.check_unexpected(full)
-    weights = checkpoint.weights(cfg)
-    quantized = any(w.scale is not None for w in weights.values())
-    devices = resolve_device_map(cfg, device_map, fp8=quantized and fp8_resident is not False,
+    checkpoint.check_unexpected(full, fmt)
+    weights = checkpoint.weights(cfg, fmt)
+    devices = resolve_device_map(cfg, device_map, format=fmt if resident is not False else UNQUANTIZED,
                                  expert_budget_bytes=expert_budget_bytes)
-    assembly = _Assembly(cfg, checkpoint, weights, devices, dtype or (torch.bfloat16 if quantized else None),
-                         fp8_resident)
+    assembly = _Assembly(cfg, fmt, checkpoint, weights, devices,
+                         dtype or (torch.bfloat16 if fmt.quantized else None), resident)
     cache = ExpertCache(expert_budget_bytes, assembly.fetch_expert) if expert_budget_bytes is not None else None
     model = assembly.skeleton(cache)
     model.load_state_dict(assembly.state(streamed=cache is not None, progress=progress), strict=True, assign=True)
@@ -128,84 +135,81 @@ def _source_folder(path_or_repo_id: str | Path, revision: str | None, num_layers
     config = hub.fetch_file(path_or_repo_id, "config.json", revision)
     if config is None:
         raise FileNotFoundError(f"Hub repo {path_or_repo_id} has no config.json")
-    cfg = slice_layers(K2Config.from_hf(config), num_layers)
+    cfg = slice_layers(read_config(config)[0], num_layers)
     return hub.download(path_or_repo_id, cfg, revision, progress)
 
 
 @dataclass
 class _Assembly:
-    """How each checkpoint tensor is held in the model: on which device, dequantized or as e4m3."""
+    """How each checkpoint tensor is held in the model: on which device, dequantized or as stored."""
 
     cfg: K2Config
+    format: QuantFormat  # the checkpoint's
     checkpoint: Checkpoint
     weights: dict[str, StoredWeight]
     devices: dict[str, torch.device]  # placement unit -> device
     dtype: torch.dtype | None
-    fp8_resident: bool | None
+    resident: bool | None  # keep quantized matrices as stored (None: on GPUs)
 
-    def __post_init__(self) -> None:
-        # A layer's routed experts are held alike (one stack, or one cache format): e4m3 only if all are stored so.
-        self.experts_fp8 = {
-            i: self._device_keeps_fp8(f"layers.{i}") and all(
-                self.weights[f"model.layers.{i}.mlp.experts.{e}.{p}.weight"].scale is not None
-                for e in range(self.cfg.n_routed_experts) for p in EXPERT_PROJS)
-            for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)
-        }
-
-    def _device_keeps_fp8(self, unit: str) -> bool:
-        return self.fp8_resident if self.fp8_resident is not None else self.devices[unit].type != "cpu"
-
-    def keeps_fp8(self, name: str) -> bool:
-        """Whether checkpoint tensor ``name`` stays e4m3 in memory: stored so, and on a device that keeps FP8
-        (GPUs, unless ``fp8_resident`` says otherwise)."""
-        expert = _EXPERT.fullmatch(name)
+    def held_format(self, name: str) -> QuantFormat:
+        """The format checkpoint tensor ``name`` is held in: the checkpoint's, for a quantized matrix on a device that
+        keeps them quantized (GPUs, unless ``resident`` says otherwise); else UNQUANTIZED (dequantized at load). A
+        layer's routed experts are held alike (one stack, or one cache format): as its expert 0's gate_proj."""
+        expert = EXPERT_TENSOR.fullmatch(name)
         if expert is not None:
-            return self.experts_fp8[int(expert[1])]
-        return self.weights[name].scale is not None and self._device_keeps_fp8(unit_of(name))
+            name = expert_tensor(int(expert[1]), 0, "gate_proj")
+        weight, device = self.weights[name], self.devices[unit_of(name)]
+        keeps = self.resident if self.resident is not None else device.type != "cpu"
+        return weight.format if keeps and weight.quantized else UNQUANTIZED
 
     def skeleton(self, cache: ExpertCache | None) -> K2Model:
-        """The model on the meta device, with FP8-resident and streamed modules where they apply."""
+        """The model on the meta device, with quantized-resident and streamed modules where they apply."""
         model = K2Model(self.cfg, device="meta")
-        block, dtype = self.cfg.fp8_block_size, self.dtype or torch.bfloat16
+        dtype = self.dtype or torch.bfloat16
         for name in self.weights:
-            if _EXPERT.fullmatch(name) is None and self.keeps_fp8(name):
+            fmt = self.held_format(name)
+            if EXPERT_TENSOR.fullmatch(name) is None and fmt.quantized:
                 path = name.removeprefix("model.").removesuffix(".weight")
                 linear = model.get_submodule(path)
                 parent, _, leaf = path.rpartition(".")
                 setattr(model.get_submodule(parent), leaf,
-                        FP8Linear(linear.in_features, linear.out_features, block, dtype, device="meta"))
+                        fmt.linear(linear.in_features, linear.out_features, dtype, device="meta"))
         for i, layer in enumerate(model.layers):
             if not isinstance(layer.mlp, MoE):
                 continue
-            fp8 = self.experts_fp8[i]
+            first = expert_tensor(i, 0, "gate_proj")
+            fmt = self.held_format(first)
             if cache is not None:
-                stored = DTYPES[self.weights[f"model.layers.{i}.mlp.experts.0.gate_proj.weight"].data.dtype]
-                layer.mlp.experts = StreamedExperts(self.cfg.n_routed_experts, i, cache, block if fp8 else None,
-                                                    dtype if fp8 else self.dtype or stored, self.devices[f"layers.{i}"])
-            elif fp8:
-                layer.mlp.experts = FP8RoutedExperts(self.cfg, dtype, device="meta")
+                stored = DTYPES[self.weights[first].parts[0].dtype]
+                layer.mlp.experts = StreamedExperts(self.cfg.n_routed_experts, i, cache, fmt,
+                                                    dtype if fmt.quantized else self.dtype or stored,
+                                                    self.devices[f"layers.{i}"])
+            elif fmt.quantized:
+                layer.mlp.experts = fmt.routed_experts(self.cfg, dtype, device="meta")
         return model
 
     def held(self, name: str) -> dict[str, torch.Tensor]:
         """Checkpoint tensor ``name`` as the model holds it, keyed by state-dict name: a dequantized (or converted)
-        tensor, or the e4m3 values and their scales. Routed experts are keyed by their layer's stacks."""
-        expert = _EXPERT.fullmatch(name)
+        tensor, or the stored tensors a quantized module keeps (``..._fp8``, ``..._scale_inv``). Routed experts are
+        keyed by their layer's stacks."""
+        expert = EXPERT_TENSOR.fullmatch(name)
         key = name.removeprefix("model.") if expert is None else f"layers.{expert[1]}.mlp.experts.{expert[3]}"
-        weight, device = self.weights[name], self.devices[unit_of(name)]
-        if self.keeps_fp8(name):
-            return {f"{key}_fp8": self.checkpoint.read(weight.data, device),
-                    f"{key}_scale_inv": self.checkpoint.read(weight.scale, device)}
+        weight, device, fmt = self.weights[name], self.devices[unit_of(name)], self.held_format(name)
+        if fmt.quantized:
+            suffixes = [part.held for part in weight.layout if part.held is not None]
+            return {key + suffix: tensor
+                    for suffix, tensor in zip(suffixes, self.checkpoint.read_held(weight, device), strict=True)}
         return {key: self.checkpoint.read_weight(weight, self.dtype, device)}
 
     def state(self, streamed: bool, progress: bool | None) -> dict[str, torch.Tensor]:
         """Every resident tensor, read once; routed experts stacked into [E, ...] tensors."""
-        names = [n for n in self.weights if not (streamed and _EXPERT.fullmatch(n))]
+        names = [n for n in self.weights if not (streamed and EXPERT_TENSOR.fullmatch(n))]
         total = sum(self.weights[n].nbytes for n in names)
         show = progress if progress is not None else total > _PROGRESS_BYTES
         state: dict[str, torch.Tensor] = {}
         with tqdm(total=total, unit="B", unit_scale=True, desc="k2lab.load", disable=not show) as bar:
             for name in names:
-                expert = _EXPERT.fullmatch(name)
+                expert = EXPERT_TENSOR.fullmatch(name)
                 for key, tensor in self.held(name).items():
                     if expert is None:
                         state[key] = tensor
@@ -218,7 +222,8 @@ class _Assembly:
         return state
 
     def fetch_expert(self, layer: int, expert: int) -> tuple[tuple[torch.Tensor, ...], int]:
-        """One routed expert for the cache: (gate, up, down) or their e4m3 values and scales; and bytes read."""
-        names = [f"model.layers.{layer}.mlp.experts.{expert}.{p}.weight" for p in EXPERT_PROJS]
+        """One routed expert for the cache: (gate, up, down), or their stored tensors in turn (FP8: gate's values and
+        scales, up's, down's); and the bytes read."""
+        names = [expert_tensor(layer, expert, p) for p in EXPERT_PROJS]
         tensors = tuple(t for name in names for t in self.held(name).values())
         return tensors, sum(self.weights[name].nbytes for name in names)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..analysis.accounting import checkpoint_tensors, tensor_bytes
 from ..config import K2Config
+from .quant import QuantFormat, resolve_format
+from .schema import checkpoint_tensors
 
 # Kept free on every device for activations and the KV cache: a 128K-token latent cache for the 8 blocks a
 # device holds when K2 spans 8 GPUs is 1.2 GB; the rest covers prefill activations in chunks of ~2K tokens
@@ -38,14 +39,15 @@ def unit_of(name: str) -> str:
 
 
 def unit_bytes(cfg: K2Config, *, fp8: bool = True, dtype: torch.dtype = torch.bfloat16,
-               expert_budget_bytes: int | None = None) -> dict[str, int]:
-    """Bytes of each unit's resident weights: FP8 matrices with their scales when ``fp8``, the rest in ``dtype``.
-    With an expert budget the routed experts stay in the files and count nothing here."""
+               expert_budget_bytes: int | None = None, format: QuantFormat | str | None = None) -> dict[str, int]:
+    """Bytes of each unit's resident weights: quantized matrices as stored, with their scales (FP8 when ``fp8``, or
+    ``format``), the rest in ``dtype``. With an expert budget the routed experts stay in the files and count nothing
+    here."""
+    fmt = resolve_format(format, fp8)
     out = dict.fromkeys(placement_units(cfg), 0)
-    block = cfg.fp8_block_size or (128, 128)
     for spec in checkpoint_tensors(cfg):
         if expert_budget_bytes is None or spec.component != "routed_experts":
-            out[unit_of(spec.name)] += tensor_bytes(spec, fp8, dtype, scales=fp8, block=block)
+            out[unit_of(spec.name)] += fmt.tensor_bytes(spec, dtype, scales=True)
     return out
 
 
@@ -107,13 +109,16 @@ class Plan:
 
 
 def plan(cfg: K2Config, devices: Sequence[Device], *, fp8: bool = True, dtype: torch.dtype = torch.bfloat16,
-         expert_budget_bytes: int | None = None, headroom_bytes: int = DEFAULT_HEADROOM_BYTES) -> Plan:
+         expert_budget_bytes: int | None = None, headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
+         format: QuantFormat | str | None = None) -> Plan:
     """Balance the blocks of ``cfg`` over ``devices`` by bytes and say whether they fit.
 
     ``devices``: byte capacities (named ``cuda:0``, ``cuda:1``, ... in the device map) or devices (``"cuda:1"``,
     ``torch.device("cpu")``; their total memory). Contiguous stages, the embedding on the first device and the
     head on the last, chosen to minimise the fullest device's share of its capacity less the headroom.
     ``fp8``: FP8 matrices stay e4m3 with their scales (the GPU path), otherwise everything is in ``dtype``.
+    ``format`` (a QuantFormat or a name: ``"fp8"``, ``"int4"``, ``"unquantized"``) overrides ``fp8``: K2-Thinking's
+    INT4 experts are ``format="int4"``.
     ``expert_budget_bytes``: routed experts are streamed; that budget is reserved on every device.
 
     >>> print(k2lab.plan(K2Config.kimi_k2(), devices=[141 * 10**9] * 8))
@@ -122,7 +127,7 @@ def plan(cfg: K2Config, devices: Sequence[Device], *, fp8: bool = True, dtype: t
         raise ValueError("plan needs at least one device")
     names = tuple(f"cuda:{i}" if isinstance(d, int) else str(_as_device(d)) for i, d in enumerate(devices))
     capacity = tuple(d if isinstance(d, int) else device_capacity(d) for d in devices)
-    sizes = unit_bytes(cfg, fp8=fp8, dtype=dtype, expert_budget_bytes=expert_budget_bytes)
+    sizes = unit_bytes(cfg, fp8=fp8, dtype=dtype, expert_budget_bytes=expert_budget_bytes, format=format)
     reserve = headroom_bytes + (expert_budget_bytes or 0)
     usable = [max(c - reserve, 1) for c in capacity]
     *first, norm, head = sizes.values()
@@ -163,7 +168,8 @@ def _partition(sizes: list[int], usable: list[int]) -> list[int]:
 
 
 def resolve_device_map(cfg: K2Config, device_map: DeviceMap, *, fp8: bool = True,
-                       expert_budget_bytes: int | None = None) -> dict[str, torch.device]:
+                       expert_budget_bytes: int | None = None,
+                       format: QuantFormat | str | None = None) -> dict[str, torch.device]:
     """{unit: device} for every unit of ``cfg``.
 
     ``None``: all on the CPU. ``"auto"``: ``plan`` over the visible GPUs' free memory (raising, with the plan, if the
@@ -177,7 +183,7 @@ def resolve_device_map(cfg: K2Config, device_map: DeviceMap, *, fp8: bool = True
         if not torch.cuda.is_available():
             return dict.fromkeys(units, torch.device("cpu"))
         free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
-        placed = plan(cfg, free, fp8=fp8, expert_budget_bytes=expert_budget_bytes)
+        placed = plan(cfg, free, fp8=fp8, expert_budget_bytes=expert_budget_bytes, format=format)
         if not placed.fits:
             raise ValueError(f"device_map='auto': the model does not fit the visible GPUs' free memory; try "
                              f"num_layers= or expert_budget_bytes=\n{placed}")

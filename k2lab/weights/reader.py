@@ -1,10 +1,10 @@
 """What is in a K2 checkpoint folder: config.json, safetensors files named by ``model.safetensors.index.json``
-(or one ``model.safetensors``), tensors named as released (one per routed expert), FP8 e4m3 matrices with a
-float32 ``<name>_scale_inv``.
+(or one ``model.safetensors``), tensors named as released (one per routed expert), matrices stored as the
+checkpoint's format says (FP8 e4m3 with a float32 ``<name>_scale_inv``; packed INT4 with group scales; or plain).
 
-``Checkpoint.weights(cfg)`` checks, from the headers alone, that every tensor ``cfg`` needs is there, shaped as
-config.json implies and stored in a dtype k2lab reads, FP8 ones with their scales. Errors name the tensor and
-the file. Nothing is ever unpickled: only safetensors is read.
+``Checkpoint.weights(cfg, format)`` checks, from the headers alone, that every tensor ``cfg`` needs is there, shaped
+as config.json implies and stored as the format lays it out. Errors name the tensor and the file. Nothing is ever
+unpickled: only safetensors is read.
 
 Tensor data is read with positioned reads at the offsets the header gives, not through ``safe_open``:
 safe_open maps the whole file, and every page read through that map counts in the process's resident memory
@@ -22,16 +22,16 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..analysis.accounting import checkpoint_tensors
 from ..config import K2Config
-from .quant.fp8 import dequantize, scale_shape
+from .quant import UNQUANTIZED, QuantFormat, Stored
+from .schema import TensorSpec, checkpoint_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-SCALE_SUFFIX = "_scale_inv"
-# The safetensors dtypes k2lab reads; K2 stores e4m3 matrices, bfloat16 embedding/head/norms/router and a
-# float32 correction bias.
-DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+# The safetensors dtypes k2lab reads: the float dtypes of unquantized tensors, and the stored formats' own.
+FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+DTYPES = {**FLOAT_DTYPES, "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # Stale tensors some checkpoints carry that hold nothing k2lab computes from.
 IGNORED_TENSORS = re.compile(r".*rotary_emb\.(inv_freq|original_inv_freq)$")
 
@@ -54,15 +54,24 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class StoredWeight:
-    """A model tensor as stored: its data and, for an e4m3 matrix, its block scales."""
+    """A model tensor as stored: its header entries, in the order ``format.layout(spec)`` gives (one for an
+    unquantized tensor; values then scales for a quantized matrix)."""
 
-    data: TensorInfo
-    scale: TensorInfo | None = None
-    block: tuple[int, int] | None = None  # the FP8 block size, with a scale
+    spec: TensorSpec
+    parts: tuple[TensorInfo, ...]
+    format: QuantFormat  # UNQUANTIZED for a tensor stored as one float tensor
+
+    @property
+    def layout(self) -> tuple[Stored, ...]:
+        return self.format.layout(self.spec, DTYPES[self.parts[0].dtype])
+
+    @property
+    def quantized(self) -> bool:
+        return self.format.quantized
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes + (self.scale.nbytes if self.scale is not None else 0)
+        return sum(part.nbytes for part in self.parts)
 
 
 class Checkpoint:
@@ -118,11 +127,10 @@ class Checkpoint:
         }
         return self._headers[file]
 
-    def check_unexpected(self, cfg: K2Config) -> None:
-        """Refuse tensors the model of ``cfg`` has no place for (stale rotary buffers and the multi-token-prediction
-        blocks config.json announces aside: see ``mtp_tensors``)."""
-        specs = checkpoint_tensors(cfg)
-        expected = {s.name for s in specs} | {s.name + SCALE_SUFFIX for s in specs if s.fp8}
+    def check_unexpected(self, cfg: K2Config, format: QuantFormat) -> None:
+        """Refuse tensors the model of ``cfg`` stored in ``format`` has no place for (stale rotary buffers and the
+        multi-token-prediction blocks config.json announces aside: see ``schema.mtp_tensors``)."""
+        expected = {part.name for spec in checkpoint_tensors(cfg) for part in format.layout(spec)}
         unexpected = sorted(n for n in self.weight_map if n not in expected and not IGNORED_TENSORS.match(n)
                             and not is_mtp_tensor(n, cfg))
         if unexpected:
@@ -130,33 +138,48 @@ class Checkpoint:
             raise CheckpointError(f"{self.source}: tensors not in the model config.json describes: "
                                   f"{unexpected[:3]}{more}")
 
-    def weights(self, cfg: K2Config) -> dict[str, StoredWeight]:
+    def weights(self, cfg: K2Config, format: QuantFormat) -> dict[str, StoredWeight]:
         """Every tensor ``cfg`` needs (checkpoint names), checked from the headers: present, shaped as the config
-        implies, stored in a dtype k2lab reads; e4m3 ones only where the release has them, with their scales."""
-        out: dict[str, StoredWeight] = {}
-        for spec in checkpoint_tensors(cfg):
-            data = self.info(spec.name)
-            if data.shape != spec.shape:
-                raise CheckpointError(f"{data.file}: tensor {spec.name} has shape {data.shape}, but config.json "
-                                      f"implies {spec.shape}")
-            if data.dtype not in DTYPES:
-                raise CheckpointError(f"{data.file}: tensor {spec.name} is stored as {data.dtype}, which k2lab does "
-                                      f"not read (supported: {sorted(DTYPES)})")
-            scale = None
-            if data.dtype == "F8_E4M3":
-                if not spec.fp8 or cfg.fp8_block_size is None:
-                    why = "config.json has no FP8 quantization_config" if spec.fp8 else "K2 keeps it in bfloat16"
-                    raise CheckpointError(f"{data.file}: tensor {spec.name} is stored as F8_E4M3, but {why}")
-                if spec.name + SCALE_SUFFIX not in self.weight_map:
-                    raise CheckpointError(f"{data.file}: FP8 tensor {spec.name} has no {spec.name}{SCALE_SUFFIX} "
-                                          f"in {self.source.name}")
-                scale = self.info(spec.name + SCALE_SUFFIX)
-                grid = scale_shape(spec.shape, cfg.fp8_block_size)
-                if scale.shape != grid or scale.dtype != "F32":
-                    raise CheckpointError(f"{scale.file}: {scale.name} is {scale.dtype} {scale.shape}, but a "
-                                          f"{spec.shape} weight in {cfg.fp8_block_size} blocks needs F32 {grid}")
-            out[spec.name] = StoredWeight(data, scale, cfg.fp8_block_size if scale is not None else None)
-        return out
+        implies, stored as ``format`` lays it out (quantized matrices with every companion tensor, the rest in a
+        float dtype)."""
+        return {spec.name: self._stored(spec, format) if format.quantizes(spec) else self._plain(spec, format)
+                for spec in checkpoint_tensors(cfg)}
+
+    def _plain(self, spec: TensorSpec, format: QuantFormat) -> StoredWeight:
+        data = self._checked_values(spec.name, spec.shape)
+        if data.dtype not in FLOAT_DTYPES:
+            why = (f"config.json's quantization_config ({format.name}) leaves it unquantized" if format.quantized
+                   else "config.json has no quantization_config") if spec.quantizable else "K2 keeps it in bfloat16"
+            raise CheckpointError(f"{data.file}: tensor {spec.name} is stored as {data.dtype}, but {why}")
+        return StoredWeight(spec, (data,), UNQUANTIZED)
+
+    def _stored(self, spec: TensorSpec, format: QuantFormat) -> StoredWeight:
+        values, *companions = format.layout(spec)
+        data = self._checked_values(values.name, values.shape)
+        if data.dtype != DTYPE_NAMES[values.dtype]:
+            raise CheckpointError(f"{data.file}: tensor {values.name} is stored as {data.dtype}, but config.json's "
+                                  f"quantization_config ({format}) stores it as {DTYPE_NAMES[values.dtype]}")
+        parts = [data]
+        for want in companions:
+            if want.name not in self.weight_map:
+                raise CheckpointError(f"{data.file}: {format.name.upper()} tensor {spec.name} has no {want.name} in "
+                                      f"{self.source.name}")
+            part = self.info(want.name)
+            if part.shape != want.shape or part.dtype != DTYPE_NAMES[want.dtype]:
+                raise CheckpointError(f"{part.file}: {part.name} is {part.dtype} {part.shape}, but a {spec.shape} "
+                                      f"weight in {format} needs {DTYPE_NAMES[want.dtype]} {want.shape}")
+            parts.append(part)
+        return StoredWeight(spec, tuple(parts), format)
+
+    def _checked_values(self, name: str, shape: tuple[int, ...]) -> TensorInfo:
+        """The header entry of ``name``, shaped ``shape`` and in a dtype k2lab reads."""
+        data = self.info(name)
+        if data.shape != shape:
+            raise CheckpointError(f"{data.file}: tensor {name} has shape {data.shape}, but config.json implies {shape}")
+        if data.dtype not in DTYPES:
+            raise CheckpointError(f"{data.file}: tensor {name} is stored as {data.dtype}, which k2lab does not read "
+                                  f"(supported: {sorted(DTYPES)})")
+        return data
 
     def read(self, info: TensorInfo, device: torch.device | str = "cpu") -> torch.Tensor:
         """A new tensor on ``device`` holding the stored values, read from the file at the header's offset. For
@@ -176,17 +199,26 @@ class Checkpoint:
                 done += n
         return out.to(device)
 
+    def read_held(self, weight: StoredWeight, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+        """The stored tensors of ``weight`` that a module holds (all but checked-only ones such as INT4's
+        ``weight_shape``, whose values are checked here), read as stored."""
+        held = []
+        for info, part in zip(weight.parts, weight.layout, strict=True):
+            if part.held is not None:
+                held.append(self.read(info, device))
+            elif torch.device(device).type != "meta":  # (a meta stage reads nothing: another process checks it)
+                tensor = self.read(info)
+                try:
+                    weight.format.check_unheld(weight.spec, part, tensor)
+                except ValueError as err:
+                    raise CheckpointError(f"{info.file}: {err}") from err
+        return tuple(held)
+
     def read_weight(self, weight: StoredWeight, dtype: torch.dtype | None,
                     device: torch.device | str = "cpu") -> torch.Tensor:
-        """A model tensor on ``device`` in ``dtype`` (default: as stored; e4m3 matrices are dequantized, there).
-        The router's correction bias stays float32: its steps are ~1e-3, and bfloat16 would change which experts
-        are chosen."""
-        tensor = self.read(weight.data, device)
-        if weight.data.name.endswith("e_score_correction_bias"):
-            return tensor.float()
-        if weight.scale is not None:
-            return dequantize(tensor, self.read(weight.scale, device), weight.block, dtype or torch.bfloat16)
-        return tensor if dtype is None else tensor.to(dtype)
+        """A model tensor on ``device`` in ``dtype`` (default: as stored; quantized matrices are dequantized, there,
+        into bfloat16 by default). A tensor with a dtype of its own (the correction bias) keeps it."""
+        return weight.format.dequantize(self.read_held(weight, device), weight.spec.dtype or dtype)
 
 
 def is_mtp_tensor(name: str, cfg: K2Config) -> bool:

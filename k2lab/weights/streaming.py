@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from ..model.moe import RoutedExperts
-from .quant.fp8 import dequantize
+from .quant import QuantFormat
+from .schema import EXPERT_PROJS
 
 # (layer, expert) -> (the tensors to cache, bytes read from the files for them)
 Fetch = Callable[[int, int], tuple[tuple[torch.Tensor, ...], int]]
@@ -41,7 +42,7 @@ class ExpertStats:
     budget_bytes: int
     hits: int = 0
     misses: int = 0  # each one a read from the files
-    bytes_read: int = 0  # stored bytes read (e4m3 values and their scales for an FP8 checkpoint)
+    bytes_read: int = 0  # stored bytes read (e4m3 values and their scales for an FP8 checkpoint; INT4's packed ones)
     evictions: int = 0
     cached_bytes: int = 0  # held now
     peak_bytes: int = 0  # most ever held (<= budget_bytes)
@@ -106,14 +107,15 @@ class ExpertCache:
 class StreamedExperts(RoutedExperts):
     """One layer's routed experts, each fetched through the shared cache when it runs.
 
-    ``block`` given: the cache holds each expert as e4m3 values and scales (gate, its scale, up, ..., 6 tensors)
-    and every use dequantizes them (the GPU path). Otherwise it holds (gate, up, down) ready to use.
+    ``format`` quantized: the cache holds each expert as stored (FP8: gate's e4m3 values and scales, up's, down's;
+    INT4: packed values and group scales) and every use dequantizes them (the GPU path). ``UNQUANTIZED``: it holds
+    (gate, up, down) ready to use.
     """
 
-    def __init__(self, num_experts: int, layer: int, cache: ExpertCache, block: tuple[int, int] | None = None,
+    def __init__(self, num_experts: int, layer: int, cache: ExpertCache, format: QuantFormat,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
         nn.Module.__init__(self)  # dispatch (forward) is inherited; the weights live in the files, not here
-        self.num_experts, self.layer, self.cache, self.block = num_experts, layer, cache, block
+        self.num_experts, self.layer, self.cache, self.format = num_experts, layer, cache, format
         self.dtype, self.device = dtype, torch.device(device)  # of the weights expert_weights returns
 
     def _apply(self, fn, recurse=True):
@@ -125,10 +127,12 @@ class StreamedExperts(RoutedExperts):
 
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tensors = self.cache.get(self.layer, expert)
-        if self.block is not None:
-            pairs = zip(tensors[::2], tensors[1::2], strict=True)
-            tensors = tuple(dequantize(w, s, self.block, self.dtype) for w, s in pairs)
-        return tuple(t.to(self.device, self.dtype) for t in tensors)  # type: ignore[return-value]
+        n = len(tensors) // len(EXPERT_PROJS)  # tensors per matrix
+        return tuple(  # type: ignore[return-value]
+            self.format.dequantize(tensors[i * n : (i + 1) * n], self.dtype).to(self.device)
+            for i in range(len(EXPERT_PROJS))
+        )
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer}, {self.num_experts} experts streamed" + (" as e4m3" if self.block else "")
+        return f"layer={self.layer}, {self.num_experts} experts streamed" + (
+            f" as {self.format}" if self.format.quantized else "")

@@ -106,7 +106,7 @@ import tempfile
 from pathlib import Path
 
 from k2lab.weights.writer import write_checkpoint
-from k2lab.weights.quant.fp8 import FP8, FP8_MAX, scale_shape
+from k2lab.weights.quant.fp8 import FP8, FP8_MAX, FP8Format, scale_shape
 
 sliced = k2.replace(num_hidden_layers=1, first_k_dense_replace=0, n_routed_experts=16, vocab_size=8192,
                     bos_token_id=None, eos_token_id=None)
@@ -116,9 +116,9 @@ pool = (torch.randn(2**26, generator=gen) * FP8_MAX / 4.5).clamp(-FP8_MAX, FP8_M
 
 def random_release(spec):
     """A random tensor in the release's format: e4m3 slices of the pool, scaled to N(0, 1/fan_in)."""
-    if spec.fp8:
+    if spec.quantizable:
         start = int(torch.randint(0, pool.numel() - spec.numel, (), generator=gen))
-        blocks = scale_shape(spec.shape, sliced.fp8_block_size)
+        blocks = scale_shape(spec.shape, FP8Format().block)
         scale = torch.full(blocks, 4.5 / FP8_MAX / math.sqrt(spec.shape[1]))  # float32 scale_inv
         return pool[start:start + spec.numel].view(spec.shape), scale
     if spec.component == "norms" or spec.name.endswith("layernorm.weight"):

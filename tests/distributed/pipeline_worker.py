@@ -20,6 +20,7 @@ from k2lab import K2Config, K2Model, routing
 from k2lab.analysis.interventions import ablate_experts
 from k2lab.distributed import PipelinedK2, init
 from k2lab.weights.placement import placement_units
+from k2lab.weights.quant.fp8 import FP8Format
 from k2lab.weights.reader import Checkpoint
 from k2lab.weights.writer import write_checkpoint
 
@@ -27,8 +28,9 @@ from k2lab.weights.writer import write_checkpoint
 CONFIG = K2Config.mini().replace(
     vocab_size=384, hidden_size=200, intermediate_size=300, moe_intermediate_size=80, num_hidden_layers=4,
     q_lora_rank=72, kv_lora_rank=40, qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=16,
-    num_experts_per_tok=4, fp8_block_size=(32, 48),
+    num_experts_per_tok=4,
 )
+FORMAT = FP8Format((32, 48))  # no matrix a whole number of blocks
 ABLATED = {1: [0, 1, 2, 3], 3: [4, 5, 6]}  # experts removed (mode "reroute") in the ablation check
 NEW_TOKENS = 6
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
@@ -42,7 +44,7 @@ def token_ids() -> torch.Tensor:
 def write_mini_checkpoint(folder: Path, seed: int = 0) -> Path:
     """Random weights that expose bugs (norms far from one, a wide router, a non-zero correction bias), written as
     the release would, one shard per unit: embed_tokens, each block, then the final norm with the head."""
-    model = K2Model(CONFIG.replace(fp8_block_size=None))
+    model = K2Model(CONFIG)
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -60,7 +62,7 @@ def write_mini_checkpoint(folder: Path, seed: int = 0) -> Path:
             return state[f"layers.{expert[1]}.mlp.experts.{expert[3]}"][int(expert[2])]
         return state[spec.name.removeprefix("model.")]
 
-    return write_checkpoint(folder, CONFIG, tensor, num_shards=len(placement_units(CONFIG)) - 1)
+    return write_checkpoint(folder, CONFIG, tensor, num_shards=len(placement_units(CONFIG)) - 1, format=FORMAT)
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from k2lab import K2Config
 V2_LITE_TINY = K2Config.mini().replace(
     vocab_size=512, num_hidden_layers=3, q_lora_rank=None, n_shared_experts=2, scoring_func="softmax",
     topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0, rope_theta=10_000.0, rope_factor=40.0,
-    beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707, fp8_block_size=None,
+    beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707,
 )
 CONFIGS = {
     "v2_lite": V2_LITE_TINY,

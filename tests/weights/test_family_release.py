@@ -76,7 +76,7 @@ def test_moonlight_release_in_bfloat16(tmp_path):
         f.unlink()
     from k2lab.weights.writer import write_checkpoint
 
-    cfg = MOONLIGHT_TINY.replace(fp8_block_size=None)
+    cfg = MOONLIGHT_TINY
     write_checkpoint(tmp_path, cfg, lambda spec: tensors[spec.name], num_shards=2, fp8=False)
     model = k2lab.load(tmp_path, dtype=torch.float32)
     assert model.config.q_lora_rank is None and model.config.rope_type is None

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from release_layout import (
+    TINY_FORMAT,
     TINY_FP8,
     release,
     single_thread,  # noqa: F401 - an autouse fixture: one thread for this module
@@ -93,10 +94,10 @@ def test_fp8_linear_weight_is_dequantized_at_each_read():
 
 
 def test_fp8_experts_dequantize_the_chosen_expert():
-    experts = FP8RoutedExperts(TINY_FP8, dtype=torch.float32)
+    experts = FP8RoutedExperts(TINY_FP8, TINY_FORMAT.block, dtype=torch.float32)
     for proj in ("gate_proj", "up_proj", "down_proj"):
         buffer = getattr(experts, f"{proj}_fp8")
-        values, scale = _random_fp8(buffer.shape, TINY_FP8.fp8_block_size)
+        values, scale = _random_fp8(buffer.shape, TINY_FORMAT.block)
         buffer.copy_(values)
         getattr(experts, f"{proj}_scale_inv").copy_(torch.rand(getattr(experts, f"{proj}_scale_inv").shape))
     gate, up, down = experts.expert_weights(5)

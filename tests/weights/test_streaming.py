@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from release_layout import (
+    TINY_FORMAT,
     TINY_FP8,
     release,
     single_thread,  # noqa: F401 - an autouse fixture: one thread for this module
@@ -20,7 +21,7 @@ from k2lab.weights.streaming import ExpertCache, StreamedExperts
 
 E, D, I = TINY_FP8.n_routed_experts, TINY_FP8.hidden_size, TINY_FP8.moe_intermediate_size
 EXPERT_FLOAT32_BYTES = 3 * I * D * 4
-GRID_UP, GRID_DOWN = scale_shape((I, D), TINY_FP8.fp8_block_size), scale_shape((D, I), TINY_FP8.fp8_block_size)
+GRID_UP, GRID_DOWN = scale_shape((I, D), TINY_FORMAT.block), scale_shape((D, I), TINY_FORMAT.block)
 EXPERT_STORED_BYTES = 3 * I * D + 4 * (2 * math.prod(GRID_UP) + math.prod(GRID_DOWN))  # e4m3 + float32 scales
 
 

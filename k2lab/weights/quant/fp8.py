@@ -4,7 +4,8 @@ A block's real weight is value * scale_inv (the file stores the inverse of the s
 [O, I] matrix has a [ceil(O/128), ceil(I/128)] scale grid; edge blocks may be partial: kv_a_proj_with_mqa has
 576 = 4*128 + 64 rows, so its grid has 5 rows.
 
-Two ways to hold such weights:
+``FP8Format`` is this layout behind the quantization seam (base.py): every matrix of attention, the MLPs and the
+experts in e4m3 (the embedding, head, norms and router stay bfloat16). Two ways to hold such weights:
 - dequantize once at load into bfloat16 (the CPU path: there is no FP8 matmul there);
 - keep them FP8-resident and dequantize at each use (the GPU path: memory is about the FP8 bytes):
   ``FP8Linear`` and ``FP8RoutedExperts``. Their ``.weight`` / ``expert_weights(e)`` return dequantized tensors,
@@ -14,17 +15,18 @@ Two ways to hold such weights:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ...config import K2Config
-from ...model.moe import RoutedExperts
+from ..schema import TensorSpec
+from .base import QuantFormat, QuantizedLinear, QuantizedRoutedExperts, Stored, register
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 # The exact float32 value of each of the 256 e4m3 bytes. On the CPU torch casts e4m3 with scalar code; looking
 # bytes up in this table gives the same numbers about twice as fast (docs/experiments.md), which matters when
@@ -77,67 +79,76 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     return values.to(FP8).contiguous(), scale_inv
 
 
-class _FP8Resident(nn.Module):
-    """Base of the FP8-resident modules. ``model.to(...)``, ``.float()``, ``.cuda()`` move the e4m3 values and the
-    float32 scales without converting them (``.float()`` would quadruple the bytes, ``.half()`` round the scales);
-    a dtype change goes to ``self.dtype``, the dtype the weights are dequantized into."""
+@register
+@dataclass(frozen=True)
+class FP8Format(QuantFormat):
+    """DeepSeek-V3 / Kimi K2 FP8: each quantizable matrix as e4m3 ``weight`` [O, I] with a float32
+    ``weight_scale_inv`` [ceil(O/b0), ceil(I/b1)]; everything else unquantized."""
 
-    dtype: torch.dtype
+    name: ClassVar[str] = "fp8"
+    quant_method: ClassVar[str | None] = "fp8"
+    block: tuple[int, int] = (128, 128)
 
-    def _apply(self, fn, recurse=True):
-        stored = dict(self._buffers)
-        # Where, and in which dtype, fn sends an ordinary float tensor from here.
-        probe = fn(torch.empty(0, dtype=self.dtype, device=next(iter(stored.values())).device))
-        self._buffers.clear()
-        super()._apply(fn, recurse)
-        self._buffers.update({  # (a meta tensor has no values to move: to_empty gets empty ones)
-            name: torch.empty_like(b, device=probe.device) if b.is_meta else b.to(probe.device)
-            for name, b in stored.items()
-        })
-        self.dtype = probe.dtype
-        return self
+    def __post_init__(self) -> None:
+        block = tuple(self.block)
+        if len(block) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block):
+            raise ValueError(f"FP8 block must be two positive integers, got {self.block!r}")
+        object.__setattr__(self, "block", block)
+
+    def quantizes(self, spec: TensorSpec) -> bool:
+        return spec.quantizable
+
+    def matrix_layout(self, name: str, shape: tuple[int, int]) -> tuple[Stored, ...]:
+        return (Stored(name, FP8, tuple(shape), "_fp8"),
+                Stored(name + "_scale_inv", torch.float32, scale_shape(shape, self.block), "_scale_inv"))
+
+    def quantize(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return quantize(weight, self.block)
+
+    def dequantize(self, held: tuple[torch.Tensor, ...], dtype: torch.dtype | None) -> torch.Tensor:
+        values, scale_inv = held
+        return dequantize(values, scale_inv, self.block, dtype or torch.bfloat16)
+
+    def quantization_config(self) -> dict[str, Any]:
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(self.block)}
+
+    @classmethod
+    def from_quantization_config(cls, config: dict[str, Any], where: str) -> FP8Format:
+        block = config.get("weight_block_size")
+        if config.get("fmt", "e4m3") != "e4m3" or not isinstance(block, (list, tuple)) or len(block) != 2:
+            raise ValueError(f"{where}: quantization_config {config} is not implemented by k2lab "
+                             "(supported for quant_method 'fp8': fmt 'e4m3', a 2-d weight_block_size)")
+        return cls((int(block[0]), int(block[1])))
+
+    def linear(self, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16,
+               device: torch.device | str | None = None) -> FP8Linear:
+        return FP8Linear(in_features, out_features, self.block, dtype, device)
+
+    def routed_experts(self, cfg: K2Config, dtype: torch.dtype = torch.bfloat16,
+                       device: torch.device | str | None = None) -> FP8RoutedExperts:
+        return FP8RoutedExperts(cfg, self.block, dtype, device)
 
 
-class FP8Linear(_FP8Resident):
-    """A bias-free Linear whose weight stays e4m3 with block scales. ``.weight`` is the dequantized weight, made
-    at each read (in ``dtype``), so the FP8 bytes are all it keeps between uses."""
+class FP8Linear(QuantizedLinear):
+    """A bias-free Linear whose weight stays e4m3 (``weight_fp8``) with float32 block scales (``weight_scale_inv``).
+    ``.weight`` is the dequantized weight, made at each read (in ``dtype``), so the FP8 bytes are all it keeps
+    between uses."""
 
-    def __init__(self, in_features: int, out_features: int, block: tuple[int, int],
+    def __init__(self, in_features: int, out_features: int, block: tuple[int, int] = (128, 128),
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
-        super().__init__()
-        self.in_features, self.out_features, self.block, self.dtype = in_features, out_features, block, dtype
-        # Buffers, not parameters: e4m3 values are not trained.
-        self.register_buffer("weight_fp8", torch.empty(out_features, in_features, dtype=FP8, device=device))
-        grid = scale_shape((out_features, in_features), block)
-        self.register_buffer("weight_scale_inv", torch.empty(grid, dtype=torch.float32, device=device))
-
-    @property
-    def weight(self) -> torch.Tensor:  # [out, in] in self.dtype
-        return dequantize(self.weight_fp8, self.weight_scale_inv, self.block, self.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        super().__init__(FP8Format(block), in_features, out_features, dtype, device)
+        self.block = self.format.block
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 in {self.block} blocks"
 
 
-class FP8RoutedExperts(_FP8Resident, RoutedExperts):
+class FP8RoutedExperts(QuantizedRoutedExperts):
     """Routed experts held as e4m3 stacks ``{gate,up,down}_proj_fp8`` [E, rows, cols] with scales
     ``{...}_scale_inv`` [E, ceil(rows/b0), ceil(cols/b1)]; a chosen expert is dequantized when it runs."""
 
-    def __init__(self, cfg: K2Config, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
-        nn.Module.__init__(self)  # dispatch (forward) is inherited; only the storage differs, so no dense stacks
-        E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.num_experts, self.block, self.dtype = E, cfg.fp8_block_size, dtype
-        for proj, shape in zip(EXPERT_PROJS, ((I, D), (I, D), (D, I)), strict=True):
-            self.register_buffer(f"{proj}_fp8", torch.empty(E, *shape, dtype=FP8, device=device))
-            grid = scale_shape(shape, self.block)
-            self.register_buffer(f"{proj}_scale_inv", torch.empty(E, *grid, dtype=torch.float32, device=device))
-
-    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(  # type: ignore[return-value]
-            dequantize(getattr(self, f"{p}_fp8")[expert], getattr(self, f"{p}_scale_inv")[expert], self.block,
-                       self.dtype)
-            for p in EXPERT_PROJS
-        )
+    def __init__(self, cfg: K2Config, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str | None = None):
+        super().__init__(FP8Format(block), cfg, dtype, device)
+        self.block = self.format.block
