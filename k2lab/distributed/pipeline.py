@@ -41,7 +41,7 @@ from ..analysis.cache import ActivationCache
 from ..config import K2Config
 from ..model.attention import AttnImpl, LatentCache
 from ..model.generate import generate
-from ..model.hooks import FwdHooks, HookPoint, NameFilter
+from ..model.hooks import HookPoint, Hooks, NameFilter
 from ..model.transformer import DecoderLayer, K2Model
 from ..weights import hub
 from ..weights.hf_config import read_config
@@ -273,17 +273,13 @@ class PipelinedK2:
         return self.model.hook_point(name)
 
     @contextmanager
-    def hooks(self, fwd_hooks: FwdHooks = ()) -> Iterator[None]:
+    def hooks(self, fwd_hooks: Hooks = ()) -> Iterator[None]:
         """``K2Model.hooks`` by global probe name or predicate: each hook is attached on the rank owning its probe
         (a name that matches no probe raises on every rank)."""
         owned = [(name, fn) for selector, fn in fwd_hooks
-                 for name, _ in self.model.resolve_hook_names(selector) if self.owns(name)]
+                 for name in self.model.select_hook_names(selector) if self.owns(name)]
         with self.model.hooks(fwd_hooks=owned):
             yield
-
-    def run_with_hooks(self, input_ids: torch.Tensor, fwd_hooks: FwdHooks = (), **forward_kwargs) -> torch.Tensor:
-        with self.hooks(fwd_hooks=fwd_hooks):
-            return self(input_ids, **forward_kwargs)
 
     def reset_hooks(self) -> None:
         self.model.reset_hooks()

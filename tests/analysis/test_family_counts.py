@@ -18,7 +18,7 @@ from family_configs import (
 )
 
 from k2lab import K2Config, count_parameters
-from k2lab.analysis.accounting import checkpoint_tensors, mtp_tensors
+from k2lab.weights.schema import checkpoint_tensors, mtp_tensors
 
 
 def test_presets_are_the_released_configs():
@@ -56,7 +56,7 @@ def test_deepseek_v3_main_model_and_mtp_apart(config):
     assert count.total == 671_026_419_200  # "671B" main model (README_WEIGHTS)
     # The hub's "685B" counts every stored value: main, MTP, and the float32 scale of each 128x128 FP8 block.
     stored = checkpoint_tensors(cfg) + mtp_tensors(cfg)
-    scales = sum(math.ceil(s.shape[0] / 128) * math.ceil(s.shape[1] / 128) for s in stored if s.fp8)
+    scales = sum(math.ceil(s.shape[0] / 128) * math.ceil(s.shape[1] / 128) for s in stored if s.quantizable)
     assert sum(s.numel for s in stored) == count.total + count.mtp.total
     assert round((count.total + count.mtp.total) / 1e9, 1) == 684.5
     assert round((count.total + count.mtp.total + scales) / 1e9) == 685
