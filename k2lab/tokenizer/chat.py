@@ -45,6 +45,7 @@ def chat_segments(
     Keeping the template's markers apart from the messages' text lets a tokenizer encode the markers
     as control tokens while treating the text under its own special-token policy.
     """
+    _check_messages(messages)
     out: list[tuple[str, bool]] = []
 
     def turn(marker: str, role: str) -> None:
@@ -92,6 +93,17 @@ def render_chat(
     declarations.
     """
     return "".join(text for text, _ in chat_segments(messages, tools, add_generation_prompt))
+
+
+def _check_messages(messages: Sequence[dict]) -> None:
+    """Each message a dict with a string "role"; the error names the message."""
+    if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of dicts with 'role' and 'content', got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a 'role' (a str such as 'user'), got {message.get('role')!r}")
 
 
 def _content_text(content: str | list | None) -> str:
