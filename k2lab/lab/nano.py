@@ -13,6 +13,8 @@ import torch
 from ..model.transformer import K2Model
 from ..tokenizer.tokenizer import K2Tokenizer, load_tokenizer
 from ..weights.load import load
+from ..weights.quant.fp8 import FP8Linear, FP8RoutedExperts
+from ..weights.streaming import StreamedExperts
 from ..weights.writer import write_checkpoint
 
 # Package data: found through importlib.resources, so an installed wheel carries it as an editable checkout does.
@@ -29,7 +31,10 @@ def load_nano(dtype: torch.dtype = torch.float32) -> tuple[K2Model, K2Tokenizer]
 
 
 def save_checkpoint(model: K2Model, folder: str | Path, *, fp8: bool = True) -> Path:
-    """Write a model in the release layout (FP8 matrices when ``fp8``, per-expert tensor names)."""
+    """Write a model in the release layout (FP8 matrices when ``fp8``, per-expert tensor names). A model whose
+    weights are not all in memory as plain tensors (streamed experts, FP8-resident matrices, meta tensors) is
+    refused before anything is written; the write itself replaces ``folder`` only once complete."""
+    _check_saveable(model)
     state = model.state_dict()
 
     def tensor(spec):
@@ -41,3 +46,17 @@ def save_checkpoint(model: K2Model, folder: str | Path, *, fp8: bool = True) -> 
 
     cfg = model.config if not fp8 or model.config.fp8_block_size else model.config.replace(fp8_block_size=(128, 128))
     return write_checkpoint(folder, cfg, tensor, fp8=fp8)
+
+
+def _check_saveable(model: K2Model) -> None:
+    if not isinstance(model, K2Model):
+        raise TypeError(f"model must be a K2Model, got {type(model).__name__}")
+    held = {StreamedExperts: "its routed experts are streamed from the files (load without expert_budget_bytes)",
+            FP8Linear: "it holds FP8-resident matrices (load with fp8_resident=False)",
+            FP8RoutedExperts: "it holds FP8-resident experts (load with fp8_resident=False)"}
+    for name, module in model.named_modules():
+        if type(module) in held:
+            raise ValueError(f"model cannot be saved: {held[type(module)]}; {name} is a {type(module).__name__}")
+    for name, tensor in model.state_dict().items():
+        if tensor.is_meta:
+            raise ValueError(f"model cannot be saved: {name} is on the meta device (it has no values)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import LocalEntryNotFoundError
 from tqdm.auto import tqdm
 
 from ..config import K2Config
@@ -25,7 +26,7 @@ from ..model.transformer import K2Model
 from ..weights import hub
 from .placement import DeviceMap, resolve_device_map, unit_of
 from .quant.fp8 import EXPERT_PROJS, FP8Linear, FP8RoutedExperts
-from .reader import DTYPES, Checkpoint, StoredWeight
+from .reader import DTYPES, Checkpoint, CheckpointError, StoredWeight
 from .streaming import ExpertCache, StreamedExperts
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -57,6 +58,11 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
     """
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)):
         raise ValueError(f"num_layers must be an integer, got {num_layers!r}")
+    dtype = _resolve_dtype(dtype)
+    if expert_budget_bytes is not None and (isinstance(expert_budget_bytes, bool)
+                                            or not isinstance(expert_budget_bytes, int) or expert_budget_bytes < 0):
+        raise ValueError(f"expert_budget_bytes must be a whole number of bytes >= 0 (e.g. 2**30 for 1 GiB) or None, "
+                         f"got {expert_budget_bytes!r}")
     folder = _source_folder(path_or_repo_id, revision, num_layers, progress)
     full = K2Config.from_hf(folder / "config.json")
     cfg = slice_layers(full, num_layers)
@@ -76,6 +82,15 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
     return model
 
 
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A floating dtype, given as a torch.dtype or by name ("bfloat16", "torch.float32")."""
+    named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if dtype is not None and not (isinstance(named, torch.dtype) and named.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch dtype or its name (torch.bfloat16, 'float32', ...), "
+                         f"got {dtype!r}")
+    return named
+
+
 def slice_layers(cfg: K2Config, num_layers: int | None) -> K2Config:
     """The first ``num_layers`` blocks of ``cfg`` (all when None)."""
     if num_layers is None:
@@ -93,7 +108,11 @@ def _source_folder(path_or_repo_id: str | Path, revision: str | None, num_layers
         return local
     if isinstance(path_or_repo_id, Path) or not hub.is_repo_id(path_or_repo_id):
         raise FileNotFoundError(f"{path_or_repo_id} is neither a checkpoint folder nor a Hub repo id")
-    config = hub.fetch_file(path_or_repo_id, "config.json", revision)
+    try:
+        config = hub.fetch_file(path_or_repo_id, "config.json", revision)
+    except LocalEntryNotFoundError:
+        raise FileNotFoundError(f"{path_or_repo_id}: no such folder, and not in the Hub cache (offline, or the Hub "
+                                f"could not be reached)") from None
     if config is None:
         raise FileNotFoundError(f"Hub repo {path_or_repo_id} has no config.json")
     cfg = slice_layers(K2Config.from_hf(config), num_layers)
@@ -112,6 +131,9 @@ class _Assembly:
     fp8_resident: bool | None
 
     def __post_init__(self) -> None:
+        # Streamed experts are read long after the load: a file changed since would give other weights silently.
+        files = {w.data.file for w in self.weights.values()}
+        self.file_stamps = {f: _stamp(f) for f in files}
         # A layer's routed experts are held alike (one stack, or one cache format): e4m3 only if all are stored so.
         self.experts_fp8 = {
             i: self._device_keeps_fp8(f"layers.{i}") and all(
@@ -160,6 +182,11 @@ class _Assembly:
         expert = _EXPERT.fullmatch(name)
         key = name.removeprefix("model.") if expert is None else f"layers.{expert[1]}.mlp.experts.{expert[3]}"
         weight, device = self.weights[name], self.devices[unit_of(name)]
+        if weight.scale is not None:  # a scale is 1/16,384 of its matrix: read it twice rather than miss a NaN
+            scale = self.checkpoint.read(weight.scale)
+            if not scale.isfinite().all():
+                raise CheckpointError(f"{weight.scale.file}: {weight.scale.name} holds non-finite block scales "
+                                      f"({int((~scale.isfinite()).sum())} of {scale.numel()} are NaN or infinite)")
         if self.keeps_fp8(name):
             return {f"{key}_fp8": self.checkpoint.read(weight.data, device),
                     f"{key}_scale_inv": self.checkpoint.read(weight.scale, device)}
@@ -185,8 +212,24 @@ class _Assembly:
                 bar.update(self.weights[name].nbytes)
         return state
 
+    def _check_unchanged(self, file: Path) -> None:
+        if _stamp(file) != self.file_stamps[file]:
+            raise CheckpointError(f"{file} changed on disk since the model was loaded (size or modification time); "
+                                  "its streamed experts can no longer be read: load the model again")
+
     def fetch_expert(self, layer: int, expert: int) -> tuple[tuple[torch.Tensor, ...], int]:
         """One routed expert for the cache: (gate, up, down) or their e4m3 values and scales; and bytes read."""
         names = [f"model.layers.{layer}.mlp.experts.{expert}.{p}.weight" for p in EXPERT_PROJS]
+        for name in names:
+            self._check_unchanged(self.weights[name].data.file)
         tensors = tuple(t for name in names for t in self.held(name).values())
         return tensors, sum(self.weights[name].nbytes for name in names)
+
+
+def _stamp(file: Path) -> tuple[int, int] | None:
+    """A file's size and modification time, None if it is gone."""
+    try:
+        stat = file.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_size, stat.st_mtime_ns

@@ -13,6 +13,10 @@ written with one expert in memory at a time.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -26,6 +30,7 @@ from .quant.fp8 import FP8, quantize, scale_shape
 from .reader import DTYPES, INDEX_FILE, SCALE_SUFFIX
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_SHARD = re.compile(r"model(-\d+-of-\d+)?\.safetensors")  # a shard name, replaced by a new write
 # A tensor for a spec: a float tensor (quantized here if the spec is FP8), or already (e4m3 values, scale_inv).
 TensorSource = Callable[[TensorSpec], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 
@@ -38,11 +43,80 @@ def write_checkpoint(folder: str | Path, cfg: K2Config, source: TensorSource, *,
     ``source(spec)`` gives each tensor when it is written. ``fp8``: the release's e4m3 matrices in
     ``cfg.fp8_block_size`` blocks; otherwise every matrix in ``dtype``. ``extra``: more tensors for the first
     shard, as given (tests add the stale ``rotary_emb.inv_freq`` some checkpoints carry).
+
+    Nothing is half-written: the arguments are checked before the first byte, the files go into a temporary
+    sibling folder, and only a complete checkpoint replaces ``folder`` (its other files, such as a tokenizer, are
+    kept). On any failure ``folder`` is as it was.
     """
+    folder = Path(folder)
+    _check_write_args(folder, cfg, source, num_shards, fp8, dtype, extra)
+    staging = folder.with_name(f".{folder.name}.writing-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        staging.mkdir()
+    except OSError as error:
+        raise PermissionError(f"folder {folder}: cannot write beside it in {folder.parent} ({error})") from None
+    try:
+        _write_files(staging, cfg, source, num_shards=num_shards, fp8=fp8, dtype=dtype, extra=extra,
+                     progress=progress)
+        _replace_folder(folder, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def _check_write_args(folder: Path, cfg: K2Config, source: TensorSource, num_shards: int, fp8: bool,
+                      dtype: torch.dtype, extra: Mapping[str, torch.Tensor] | None) -> None:
+    """Everything about a write that can be known before it starts; the parent folder is made if missing."""
+    if not isinstance(cfg, K2Config):
+        raise TypeError(f"cfg must be a K2Config, got {type(cfg).__name__}")
+    if not callable(source):
+        raise TypeError(f"source must be a function of a TensorSpec, got {type(source).__name__}")
     if fp8 and cfg.fp8_block_size is None:
         raise ValueError("fp8=True needs cfg.fp8_block_size")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    units = len(dict.fromkeys(_shard_unit(s.name) for s in checkpoint_tensors(cfg)))
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not 1 <= num_shards <= units:
+        raise ValueError(f"num_shards must be an integer in 1..{units} (whole blocks per shard), got {num_shards!r}")
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of the safetensors dtypes {sorted(map(str, _DTYPE_NAMES))}, got {dtype!r}")
+    for name, tensor in (extra or {}).items():
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"extra[{name!r}] must be a tensor of a safetensors dtype, got {type(tensor).__name__}")
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"folder {folder} exists and is not a folder")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OSError(f"folder {folder}: cannot make its parent folder ({error})") from None
+
+
+def _replace_folder(folder: Path, staging: Path) -> None:
+    """Put the complete ``staging`` folder in place of ``folder``. What ``folder`` holds besides a checkpoint (a
+    tokenizer, a log) moves over by renaming; its old shards, index and config go."""
+    if not folder.exists():
+        staging.rename(folder)
+        return
+    replaced = ("config.json", INDEX_FILE, *(p.name for p in staging.iterdir()))
+    kept = [old for old in folder.iterdir() if not (old.name in replaced or _SHARD.fullmatch(old.name))]
+    retired = staging.with_name(staging.name.replace(".writing-", ".replaced-"))
+    moved = []
+    try:
+        for old in kept:
+            old.rename(staging / old.name)
+            moved.append(old)
+        folder.rename(retired)
+        staging.rename(folder)
+    except BaseException:  # put back what moved: folder is as it was
+        if retired.exists():
+            retired.rename(folder)
+        for old in moved:
+            (staging / old.name).rename(old)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _write_files(folder: Path, cfg: K2Config, source: TensorSource, *, num_shards: int, fp8: bool,
+                 dtype: torch.dtype, extra: Mapping[str, torch.Tensor] | None, progress: bool) -> None:
     hf = cfg.to_hf() if fp8 else cfg.replace(fp8_block_size=None).to_hf()
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
 
@@ -71,7 +145,6 @@ def write_checkpoint(folder: str | Path, cfg: K2Config, source: TensorSource, *,
     bar.close()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    return folder
 
 
 def _shard_unit(name: str) -> str:
