@@ -169,6 +169,11 @@ def kv_cache_bytes(cfg: K2Config, n_tokens: int, layout: str = "latent", dtype: 
     expanded: every head's key (192) and value (128), as a non-absorbing implementation caches them:
               64 * 320 per token per layer, about 2.4 MiB per token for K2.
     """
+    for name, value in (("n_tokens", n_tokens), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     if layout == "latent":
         per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     elif layout == "expanded":
