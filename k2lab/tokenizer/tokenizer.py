@@ -20,6 +20,7 @@ from __future__ import annotations
 import codecs
 import json
 import operator
+import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -423,6 +424,10 @@ def load_tokenizer(
     repo only those two files are fetched, through the Hub cache, so HF_HUB_OFFLINE=1 works once they are
     cached. `allow_special` sets the default special-token policy of encode (see K2Tokenizer).
     """
+    if not isinstance(path_or_repo_id, (str, os.PathLike)) or not str(path_or_repo_id):
+        raise TypeError(f"path_or_repo_id must be a folder or a Hub repo id, got {path_or_repo_id!r}")
+    if not isinstance(allow_special, bool):
+        raise TypeError(f"allow_special must be True or False, got {allow_special!r}")
     ranks_path, config_path = _resolve_files(path_or_repo_id, revision)
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))

@@ -12,6 +12,7 @@ Each step can fail before the next begins, and nothing is returned until the las
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,8 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
     Raises naming the file and tensor: a missing shard, a tensor absent from the index, a shape that disagrees
     with config.json, a corrupt or truncated file, an unsupported dtype or quantization.
     """
+    if not isinstance(path_or_repo_id, (str, os.PathLike)) or not str(path_or_repo_id):
+        raise TypeError(f"path_or_repo_id must be a checkpoint folder or a Hub repo id, got {path_or_repo_id!r}")
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)):
         raise ValueError(f"num_layers must be an integer, got {num_layers!r}")
     dtype = _resolve_dtype(dtype)

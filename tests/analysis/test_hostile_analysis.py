@@ -10,7 +10,7 @@ import torch
 
 from k2lab import K2Config, K2Model
 from k2lab.analysis import routing
-from k2lab.analysis.accounting import kv_cache_bytes
+from k2lab.analysis.accounting import block_parameters, count_parameters, kv_cache_bytes, tensor_bytes, weight_bytes
 from k2lab.analysis.interventions import ablate_experts, edit_bias, force_route, patch
 
 TINY = K2Config.mini().replace(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -144,3 +144,15 @@ def test_a_dense_only_model_has_no_routing():
 def test_kv_cache_bytes_names_a_bad_argument(kwargs, error, named):
     with pytest.raises(error, match=named):
         kv_cache_bytes(K2Config.kimi_k2(), **kwargs)
+
+
+@pytest.mark.parametrize("call, error, named", [
+    (lambda: count_parameters({"hidden_size": 7168}), TypeError, "cfg must be a K2Config .*got dict"),
+    (lambda: weight_bytes(K2Config.kimi_k2(), dtype="bf16"), TypeError, "dtype must be a torch.dtype"),
+    (lambda: tensor_bytes("model.embed_tokens.weight"), TypeError, "spec must be a TensorSpec"),
+    (lambda: block_parameters(K2Config.kimi_k2(), 61), ValueError, r"layer must be an integer in 0..60, got 61"),
+    (lambda: kv_cache_bytes("kimi", 8), TypeError, "cfg must be a K2Config"),
+])
+def test_accounting_names_a_bad_argument(call, error, named):
+    with pytest.raises(error, match=named):
+        call()

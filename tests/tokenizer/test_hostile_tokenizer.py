@@ -122,3 +122,10 @@ def test_a_binary_config_file_is_named(tmp_path):
     (tmp_path / "tokenizer_config.json").write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(TokenizerFileError, match="tokenizer_config.json"):
         load_tokenizer(tmp_path)
+
+
+def test_load_tokenizer_names_a_bad_argument():
+    with pytest.raises(TypeError, match="path_or_repo_id must be a folder or a Hub repo id, got None"):
+        load_tokenizer(None)
+    with pytest.raises(TypeError, match="allow_special must be True or False, got 'no'"):
+        load_tokenizer(NANO_DIR, allow_special="no")

@@ -209,3 +209,8 @@ def test_streamed_experts_refuse_a_file_changed_after_loading(tmp_path):
         save_checkpoint(tiny_model(1), folder, fp8=False)  # same names and sizes, other weights
         with pytest.raises(CheckpointError, match="changed on disk since the model was loaded"):
             model(ids)
+
+
+def test_load_names_a_source_that_is_not_a_path():
+    with pytest.raises(TypeError, match="path_or_repo_id must be a checkpoint folder or a Hub repo id, got None"):
+        k2lab.load(None)
