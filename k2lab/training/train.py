@@ -304,6 +304,8 @@ _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 def train_config_from(pairs: Iterable[str], base: TrainConfig | None = None) -> TrainConfig:
     """``TrainConfig`` with ``key=value`` overrides (``["steps=400", "lr=1e-2"]``), each value read as its
     field's type. Raises ValueError naming an unknown key or a value of the wrong type."""
+    if isinstance(pairs, str) or not all(isinstance(pair, str) for pair in pairs):
+        raise TypeError(f"pairs must be a list of 'key=value' strings, got {pairs!r}")
     tc = dataclasses.replace(base or TrainConfig())
     fields = [f.name for f in dataclasses.fields(TrainConfig)]
     for pair in pairs:

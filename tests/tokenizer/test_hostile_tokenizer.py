@@ -6,6 +6,8 @@ import re
 import pytest
 import tiktoken
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tiktoken.load import load_tiktoken_bpe
 
 import k2lab.tokenizer.tokenizer as tokenizer_module
@@ -45,6 +47,22 @@ def test_long_whitespace_runs_encode_as_tiktoken_does(tok, ref, text, threshold,
                         re.compile(rf"[^\S\r\n\x1c-\x1f]{{{threshold},}}"))
     assert tok.encode(text) == ref.encode(text, disallowed_special=())
     assert tok.decode(tok.encode(text)) == text
+
+
+WHITESPACE_MIX = st.lists(st.sampled_from([" ", " ", "\t", "\n", "\r", "a", "B", "1", ".", "\u3000", "\x1c", "中",
+                                            "\x85", "\u2028", "\x0b", "\xa0", "'s", "<|im_end|>"]), max_size=40)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=WHITESPACE_MIX)
+def test_every_whitespace_tail_cut_out_still_matches_tiktoken(tok, ref, parts, monkeypatch):
+    """With the threshold at 1 every whitespace tail skips the regex: mixed whitespace (Unicode spaces, the
+    separators Python calls whitespace and the engines do not, CR, LF) beside words, digits, punctuation and
+    special tokens still gives tiktoken's ids."""
+    monkeypatch.setattr(tokenizer_module, "_LONG_WHITESPACE_TAIL", re.compile(r"[^\S\r\n\x1c-\x1f]{1,}"))
+    text = "".join(parts)
+    assert tok.encode(text, allow_special=True) == ref.encode(text, allowed_special="all")
+    assert tok.encode(text, allow_special=False) == ref.encode(text, disallowed_special=())
 
 
 def test_ten_million_spaces_and_tabs_encode_without_a_panic(tok):
@@ -99,10 +117,23 @@ def test_decode_takes_a_1d_tensor_from_generate(tok):
     ([{"role": "user", "content": "a"}, {"role": None}], ValueError, r"messages\[1\] needs a 'role'.*None"),
     (["hi"], TypeError, r"messages\[0\] must be a dict"),
     ("hi", TypeError, "messages must be a list of dicts"),
+    ([{"role": "user", "content": 5}], TypeError, r"messages\[0\]\['content'\] must be a str, None or a list"),
+    ([{"role": "user", "content": [{"type": "text"}]}], ValueError, "a text part needs a 'text' string"),
+    ([{"role": "tool", "content": "42"}], ValueError, r"messages\[0\] is a tool result and needs a 'tool_call_id'"),
+    ([{"role": "assistant", "tool_calls": ["f"]}], ValueError,
+     r"messages\[0\]\['tool_calls'\]\[0\] needs an 'id' and a 'function' with 'arguments'"),
+    ([{"role": "assistant", "tool_calls": [{"id": "f:0", "function": {"name": "f"}}]}], ValueError,
+     r"\['tool_calls'\]\[0\] needs an 'id' and a 'function' with 'arguments'"),
 ])
 def test_chat_names_a_bad_message(tok, messages, error, named):
     with pytest.raises(error, match=named):
         tok.apply_chat_template(messages)
+
+
+@pytest.mark.parametrize("tools", ["search", {"name": "f"}, ["f"]])
+def test_chat_names_bad_tools(tok, tools):
+    with pytest.raises(TypeError, match="tools must be None or a list of function declarations"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools)
 
 
 @pytest.mark.parametrize("content, named", [

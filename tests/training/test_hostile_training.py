@@ -40,6 +40,11 @@ def test_a_bad_override_is_refused_by_value(pair, named):
         train_config_from([pair])
 
 
+def test_overrides_must_be_a_list_of_strings():
+    with pytest.raises(TypeError, match="pairs must be a list of 'key=value' strings, got 'steps=3'"):
+        train_config_from("steps=3")
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(NANO_DIR)
