@@ -46,19 +46,23 @@ def write_checkpoint(folder: str | Path, cfg: K2Config, source: TensorSource, *,
 
     Nothing is half-written: the arguments are checked before the first byte, the files go into a temporary
     sibling folder, and only a complete checkpoint replaces ``folder`` (its other files, such as a tokenizer, are
-    kept). On any failure ``folder`` is as it was.
+    kept). On any failure ``folder`` is as it was. A folder that cannot be swapped (a mount point, or in a parent
+    that cannot be written) gets the temporary folder inside it instead, and the finished files are renamed into
+    place one by one.
     """
     folder = Path(folder)
     _check_write_args(folder, cfg, source, num_shards, fp8, dtype, extra)
-    staging = folder.with_name(f".{folder.name}.writing-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    swap = not (folder.is_dir() and (os.path.ismount(folder) or not os.access(folder.parent, os.W_OK)))
+    tag = f"writing-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging = folder.with_name(f".{folder.name}.{tag}") if swap else folder / f".{tag}"
     try:
         staging.mkdir()
     except OSError as error:
-        raise PermissionError(f"folder {folder}: cannot write beside it in {folder.parent} ({error})") from None
+        raise PermissionError(f"folder {folder}: cannot write there or beside it ({error})") from None
     try:
         _write_files(staging, cfg, source, num_shards=num_shards, fp8=fp8, dtype=dtype, extra=extra,
                      progress=progress)
-        _replace_folder(folder, staging)
+        (_replace_folder if swap else _replace_files)(folder, staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -113,6 +117,20 @@ def _replace_folder(folder: Path, staging: Path) -> None:
             (staging / old.name).rename(old)
         raise
     shutil.rmtree(retired, ignore_errors=True)
+
+
+def _replace_files(folder: Path, staging: Path) -> None:
+    """Move the complete checkpoint in ``staging`` (inside ``folder``) into ``folder`` file by file, each rename
+    atomic: shards first, then the index and config.json that name them; old shards no longer named go."""
+    old_shards = [p for p in folder.iterdir() if _SHARD.fullmatch(p.name)]
+    written = sorted(staging.iterdir(), key=lambda p: (p.name == INDEX_FILE, p.name == "config.json", p.name))
+    for new in written:
+        os.replace(new, folder / new.name)
+    names = {p.name for p in written}
+    for old in old_shards:
+        if old.name not in names:
+            old.unlink()
+    staging.rmdir()
 
 
 def _write_files(folder: Path, cfg: K2Config, source: TensorSource, *, num_shards: int, fp8: bool,

@@ -91,6 +91,29 @@ def test_a_complete_write_replaces_the_checkpoint_and_keeps_other_files(saved):
     assert sorted(p.name for p in saved.parent.iterdir()) == ["ckpt"]
 
 
+@pytest.fixture
+def mount_point(saved, monkeypatch):
+    """The checkpoint folder as a mount point: it cannot be swapped, so the writer stages inside it."""
+    monkeypatch.setattr(os.path, "ismount", lambda path: os.fspath(path) == os.fspath(saved))
+    return saved
+
+
+def test_a_mount_point_keeps_its_checkpoint_on_failure_and_takes_a_new_one(mount_point):
+    before = stored(mount_point)
+    with pytest.raises(RuntimeError, match="the source failed midway"):
+        write_checkpoint(mount_point, TINY, source_of(tiny_model(1), fail_at=7), fp8=False)
+    after = stored(mount_point)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert sorted(p.name for p in mount_point.iterdir()) == sorted(
+        ["config.json", INDEX_FILE, "model-1-of-1.safetensors", "tiktoken.model"])
+    write_checkpoint(mount_point, TINY, source_of(tiny_model(1)), fp8=False, num_shards=2)
+    assert sorted(p.name for p in mount_point.iterdir()) == sorted(
+        ["config.json", INDEX_FILE, "model-1-of-2.safetensors", "model-2-of-2.safetensors", "tiktoken.model"])
+    new = tiny_model(1)
+    loaded = k2lab.load(mount_point, dtype=torch.float32)
+    assert torch.equal(loaded.embed_tokens.weight, new.embed_tokens.weight.bfloat16().float())
+
+
 def test_fewer_shards_leave_no_stale_shard(tmp_path):
     folder = tmp_path / "ckpt"
     write_checkpoint(folder, TINY, source_of(tiny_model(0)), fp8=False, num_shards=3)
@@ -151,7 +174,7 @@ def test_writer_refuses_a_file_as_folder_and_a_bad_source(tmp_path):
 def test_writer_names_a_read_only_parent(tmp_path):
     tmp_path.chmod(0o500)
     try:
-        with pytest.raises(PermissionError, match="cannot write beside it"):
+        with pytest.raises(PermissionError, match="cannot write there or beside it"):
             write_checkpoint(tmp_path / "ckpt", TINY, source_of(tiny_model(0)), fp8=False)
     finally:
         tmp_path.chmod(0o700)
