@@ -69,8 +69,25 @@ class K2Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"K2Config.{name} must be a positive integer, got {value!r}")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
-            raise ValueError(f"K2Config.q_lora_rank must be a positive integer or None, got {self.q_lora_rank!r}")
+        counts = ("first_k_dense_replace", "intermediate_size", "n_shared_experts", "original_max_position_embeddings")
+        for name in counts:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"K2Config.{name} must be a non-negative integer, got {value!r}")
+        for name in ("q_lora_rank", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"K2Config.{name} must be a non-negative integer or None, got {value!r}")
+        if self.q_lora_rank == 0:
+            raise ValueError("K2Config.q_lora_rank must be a positive integer or None (a plain q_proj), got 0")
+        for name in ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "rope_factor", "beta_fast", "beta_slow",
+                     "mscale", "mscale_all_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"K2Config.{name} must be a finite number > 0, got {value!r}")
+        for name in ("norm_topk_prob", "rope_interleave"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"K2Config.{name} must be True or False, got {getattr(self, name)!r}")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise ValueError(
                 f"K2Config.first_k_dense_replace={self.first_k_dense_replace} must lie in "

@@ -61,6 +61,7 @@ class ParameterCount:
 def count_parameters(cfg: K2Config) -> ParameterCount:
     """Total and per-token active parameters of the main model, by component (router includes the correction
     biases); multi-token-prediction blocks, where the config has them, apart in ``.mtp``."""
+    _check_cfg(cfg)
     components = dict.fromkeys(COMPONENTS, 0)
     for spec in checkpoint_tensors(cfg):
         components[spec.component] += spec.numel
@@ -72,6 +73,9 @@ def count_parameters(cfg: K2Config) -> ParameterCount:
 
 def block_parameters(cfg: K2Config, layer: int) -> int:
     """Parameters of one block (497,500,160 for K2's dense block 0)."""
+    _check_cfg(cfg)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < cfg.num_hidden_layers:
+        raise ValueError(f"layer must be an integer in 0..{cfg.num_hidden_layers - 1}, got {layer!r}")
     return sum(spec.numel for spec in layer_tensors(cfg, layer))
 
 
@@ -85,6 +89,8 @@ def weight_bytes(cfg: K2Config, fp8: bool = True, dtype: torch.dtype = torch.bfl
     """Bytes of all weights as stored. ``fp8=True``: the release's FP8 matrices, embedding, head, norms and router in
     ``dtype`` (958.3 GiB for K2; block scales excluded unless ``scales=True``); ``fp8=False``: everything in
     ``dtype``. ``format`` (a QuantFormat or a name: ``"fp8"``, ``"int4"``, ``"unquantized"``) overrides ``fp8``."""
+    _check_cfg(cfg)
+    _check_dtype(dtype)
     fmt = resolve_format(format, fp8)
     return sum(fmt.tensor_bytes(spec, dtype, scales) for spec in checkpoint_tensors(cfg))
 
@@ -97,6 +103,11 @@ def kv_cache_bytes(cfg: K2Config, n_tokens: int, layout: str = "latent", dtype: 
     expanded: every head's key (192) and value (128), as a non-absorbing implementation caches them:
               64 * 320 per token per layer, about 2.4 MiB per token for K2.
     """
+    _check_cfg(cfg)
+    for name, value in (("n_tokens", n_tokens), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    _check_dtype(dtype)
     if layout == "latent":
         per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     elif layout == "expanded":
@@ -105,3 +116,13 @@ def kv_cache_bytes(cfg: K2Config, n_tokens: int, layout: str = "latent", dtype: 
         raise ValueError(f"layout must be 'latent' or 'expanded', got {layout!r}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     return batch_size * n_tokens * cfg.num_hidden_layers * per_layer * itemsize
+
+
+def _check_cfg(cfg: K2Config) -> None:
+    if not isinstance(cfg, K2Config):
+        raise TypeError(f"cfg must be a K2Config (K2Config.kimi_k2(), K2Config.from_hf(...)), got {type(cfg).__name__}")
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")

@@ -57,6 +57,7 @@ def ablate_experts(model: K2Model, experts: Mapping[int, int | Iterable[int]],
     builders = {"zero": _zero_hooks, "renormalize": _renormalize_hooks, "reroute": _reroute_hooks}
     if mode not in builders:
         raise ValueError(f"mode must be one of {sorted(builders)}, got {mode!r}")
+    _check_mapping(experts, "experts", "{layer: [expert, ...]}")
     fwd_hooks: list[tuple[str, HookFn]] = []
     for layer, ids in experts.items():
         layer, moe = _moe_block(model, layer)
@@ -124,6 +125,8 @@ def force_route(model: K2Model, routes: Mapping[int, RouteSpec], positions: Posi
     Group limits do not apply to forced experts. The weights are recomputed by the router as always, from the
     unbiased sigmoid scores of the new experts: w = s[idx] / (sum + 1e-20) * routed_scaling_factor.
     """
+    _check_mapping(routes, "routes", "{layer: experts}")
+    _check_positions(positions)
     fwd_hooks: list[tuple[str, HookFn]] = []
     for layer, spec in routes.items():
         layer, moe = _moe_block(model, layer)
@@ -139,6 +142,9 @@ def _force_hooks(prefix: str, moe: MoE, layer: int, spec: RouteSpec, positions: 
     if callable(spec):
         choose = lambda idx: spec(idx, seen["choice"])
     elif isinstance(spec, torch.Tensor) and spec.dim() >= 2:
+        if spec.shape[-1] != k:
+            raise ValueError(f"layer {layer}: a route tensor gives k={k} experts per token in its last dim, "
+                             f"got shape {tuple(spec.shape)}")
         choose = lambda idx: spec.to(idx.device).expand_as(idx)
     else:
         forced = torch.tensor(_expert_ids(moe, spec, layer))  # [m]
@@ -153,6 +159,9 @@ def _force_hooks(prefix: str, moe: MoE, layer: int, spec: RouteSpec, positions: 
 
     def force(idx: torch.Tensor, hook: HookPoint) -> torch.Tensor:  # [B, T, k]
         new = choose(idx)
+        if not isinstance(new, torch.Tensor):
+            raise TypeError(f"{hook.name}: the route function must return expert ids [B, T, k], got "
+                            f"{type(new).__name__}")
         if new.shape != idx.shape or new.dtype.is_floating_point or ((new < 0) | (new >= E)).any():
             raise ValueError(f"{hook.name}: forced routes must be expert ids in 0..{E - 1} of shape "
                              f"{tuple(idx.shape)}; got {new.dtype} {tuple(new.shape)}")
@@ -169,16 +178,23 @@ def edit_bias(model: K2Model, biases: Mapping[int, BiasSpec]) -> Iterator[None]:
     The bias only decides which experts are chosen (choice = s + bias), never their weights, so this moves
     tokens between experts without rescaling anyone. The old values are copied back on exit.
     """
+    _check_mapping(biases, "biases", "{layer: bias or fn(bias) -> bias}")
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         for layer, spec in biases.items():
             layer, moe = _moe_block(model, layer)
             bias = moe.gate.e_score_correction_bias  # [E] float32
             new = spec(bias.clone()) if callable(spec) else spec
+            if isinstance(new, (str, bytes, bool)) or not isinstance(new, (torch.Tensor, int, float, Sequence)):
+                what = "the bias function returned" if callable(spec) else "the bias is"
+                raise TypeError(f"layer {layer}: {what} {new!r}; a bias is a number or a tensor of shape "
+                                f"{tuple(bias.shape)} (does the function return its result?)")
             new = torch.as_tensor(new, dtype=bias.dtype, device=bias.device)
             if new.shape not in (bias.shape, ()):
                 raise ValueError(f"layer {layer}: bias must be a scalar or of shape {tuple(bias.shape)}, "
                                  f"got {tuple(new.shape)}")
+            if not new.isfinite().all():
+                raise ValueError(f"layer {layer}: bias must be finite; NaN or infinity would decide every route")
             saved.append((bias, bias.clone()))
             with torch.no_grad():
                 bias.copy_(new)
@@ -198,6 +214,8 @@ def patch(model: K2Model, source: Mapping[str, torch.Tensor], names: NameFilter,
     Positions index T, which is dim 1 of [B, T, ...] probes and the query axis (dim 2) of attention scores and
     patterns [B, H, T, S]. Shapes must match: patch between runs of equal batch and length.
     """
+    _check_mapping(source, "source", "{probe name: tensor}, e.g. an ActivationCache")
+    _check_positions(positions)
     selected = model.select_hook_names(names)
     missing = [n for n in selected if n not in source]
     if missing:
@@ -230,8 +248,34 @@ def _remember(seen: dict[str, torch.Tensor], key: str) -> HookFn:
     return remember
 
 
+def _check_mapping(value: object, name: str, form: str) -> None:
+    if not isinstance(value, Mapping) and not hasattr(value, "keys"):
+        raise TypeError(f"{name} must be a mapping {form}, got {type(value).__name__}")
+
+
+def _check_positions(positions: Positions) -> None:
+    """Positions of a known kind; their range is checked against T when the forward runs."""
+    if positions is None or isinstance(positions, slice) or _is_index(positions):
+        return
+    if isinstance(positions, torch.Tensor):
+        if positions.dtype == torch.bool or not (positions.dtype.is_floating_point or positions.dtype.is_complex):
+            return
+    elif isinstance(positions, Sequence) and not isinstance(positions, str) and all(map(_is_index, positions)):
+        return
+    raise TypeError(f"positions must be None, an int, a slice, a list of ints or an int or bool tensor, "
+                    f"got {positions!r}")
+
+
+def _is_index(value: object) -> bool:
+    """An int (or numpy integer), not a bool or a float."""
+    return not isinstance(value, bool) and hasattr(type(value), "__index__")
+
+
 def _moe_block(model: K2Model, layer: int) -> tuple[int, MoE]:
     """(non-negative layer index, its MoE block); a dense layer or a bad index raises, naming the MoE layers."""
+    if not _is_index(layer):
+        raise TypeError(f"layer keys must be integers, got {layer!r} ({type(layer).__name__})")
+    layer = int(layer)
     L = len(model.layers)
     if not -L <= layer < L:
         raise IndexError(f"layer {layer} out of range for {L} layers")
@@ -242,7 +286,13 @@ def _moe_block(model: K2Model, layer: int) -> tuple[int, MoE]:
 
 
 def _expert_ids(moe: MoE, ids: Iterable[int] | torch.Tensor, layer: int) -> list[int]:
-    ids = [int(e) for e in (ids.flatten().tolist() if isinstance(ids, torch.Tensor) else ids)]
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (Iterable, torch.Tensor)):
+        raise TypeError(f"layer {layer}: experts must be an int or a list of ints, got {ids!r}")
+    ids = list(ids.flatten().tolist() if isinstance(ids, torch.Tensor) else ids)
+    not_ints = [e for e in ids if not _is_index(e)]
+    if not_ints:
+        raise TypeError(f"layer {layer}: expert ids must be integers, got {not_ints}")
+    ids = [int(e) for e in ids]
     E = moe.experts.num_experts
     bad = [e for e in ids if not 0 <= e < E]
     if bad:
@@ -258,6 +308,14 @@ def _position_mask(positions: Positions, B: int, T: int, device: torch.device) -
         if positions.shape not in ((T,), (B, T)):
             raise ValueError(f"a position mask must be [T] or [B, T] = {(B, T)}, got {tuple(positions.shape)}")
         return positions.to(device).expand(B, T)
+    if isinstance(positions, slice):
+        if not range(T)[positions]:
+            raise ValueError(f"positions {positions} select none of the {T} positions")
+    else:
+        index = torch.as_tensor(positions).flatten()
+        outside = index[(index < -T) | (index >= T)]
+        if len(outside):
+            raise IndexError(f"positions {outside.tolist()} out of range for {T} positions (-{T}..{T - 1})")
     mask = torch.zeros(T, dtype=torch.bool, device=device)
     mask[positions if isinstance(positions, int | slice) else torch.as_tensor(positions, device=device)] = True
     return mask.expand(B, T)

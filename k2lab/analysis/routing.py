@@ -147,6 +147,7 @@ def expert_counts(tr: RoutingTrace, top: int | None = None) -> torch.Tensor:
 
     ``top=None`` counts all k slots (then sum_e c_e = N k); ``top=1`` counts each token's first choice only (slots
     are ordered by choice score, best first)."""
+    _check_trace(tr, top)
     idx = (tr.indices if top is None else tr.indices[..., :top])[:, tr.real_tokens()]  # [L_moe, N, top]
     E = tr.scores.shape[-1]
     return torch.stack([torch.bincount(row.flatten(), minlength=E) for row in idx])
@@ -154,14 +155,14 @@ def expert_counts(tr: RoutingTrace, top: int | None = None) -> torch.Tensor:
 
 def load_fraction(counts: torch.Tensor) -> torch.Tensor:
     """[..., E] the share of routed assignments each expert got: load_e = c_e / sum_e' c_e' (uniform: 1/E)."""
-    counts = counts.double()
-    return (counts / counts.sum(-1, keepdim=True).clamp(min=1)).float()
+    counts = _check_counts(counts).double()
+    return (counts / counts.sum(-1, keepdim=True)).float()
 
 
 def relative_load(counts: torch.Tensor) -> torch.Tensor:
     """[..., E] each expert's load against the uniform share: c_e / mean_e'(c_e') = E * load_e (1 is balanced)."""
-    counts = counts.double()
-    return (counts / counts.mean(-1, keepdim=True).clamp(min=1e-12)).float()
+    counts = _check_counts(counts).double()
+    return (counts / counts.mean(-1, keepdim=True)).float()
 
 
 def max_violation(counts: torch.Tensor) -> torch.Tensor:
@@ -181,8 +182,8 @@ def domain_specialization(tr: RoutingTrace, top: int | None = None) -> torch.Ten
 
     the share of the domain's N(D) tokens that have expert e among their first ``top`` slots (all k when None).
     Uniform routing gives top / E; compare the same expert across domains."""
-    n_tokens = int(tr.real_tokens().sum())
-    return expert_counts(tr, top).float() / max(n_tokens, 1)
+    counts = expert_counts(tr, top)  # checks the trace
+    return counts.float() / int(tr.real_tokens().sum())
 
 
 @dataclass
@@ -217,6 +218,8 @@ class VocabularySpecialization:
     def top_tokens(self, layer: int, expert: int, n: int = 10, min_count: int = 10) -> list[tuple[int, float, int]]:
         """The ``n`` token ids most specialised to ``expert`` at model layer ``layer``: (id, ratio, N(x)),
         among ids seen at least ``min_count`` times, highest ratio first."""
+        if layer not in self.layers:
+            raise ValueError(f"layer {layer} is not a MoE layer of this trace; its layers: {self.layers}")
         ratio = self.ratio[self.layers.index(layer), :, expert].masked_fill(self.occurrences < min_count, -1.0)
         best = ratio.argsort(descending=True, stable=True)[:n]
         return [(int(self.token_ids[u]), float(ratio[u]), int(self.occurrences[u])) for u in best if ratio[u] >= 0]
@@ -225,7 +228,12 @@ class VocabularySpecialization:
 def vocabulary_specialization(tr: RoutingTrace, token_ids: torch.Tensor, top: int = 1) -> VocabularySpecialization:
     """Count, per layer, where each token id of ``token_ids`` [B, T] (aligned with the trace's positions) was
     routed among its first ``top`` slots. See VocabularySpecialization for the definition."""
-    token_ids = torch.as_tensor(token_ids).reshape(tr.indices.shape[1:3])  # [B, T]
+    _check_trace(tr, top)
+    token_ids = torch.as_tensor(token_ids)
+    if token_ids.numel() != tr.indices[0, ..., 0].numel() or token_ids.is_floating_point():
+        raise ValueError(f"token_ids must be integer ids aligned with the trace's [B, T] = "
+                         f"{list(tr.indices.shape[1:3])}, got {token_ids.dtype} {list(token_ids.shape)}")
+    token_ids = token_ids.reshape(tr.indices.shape[1:3])  # [B, T]
     real = tr.real_tokens()
     unique, inverse, occurrences = token_ids[real.cpu()].unique(return_inverse=True, return_counts=True)
     E, U = tr.scores.shape[-1], len(unique)
@@ -242,6 +250,7 @@ def coactivation(tr: RoutingTrace) -> torch.Tensor:
 
     Not symmetric (a busy j joins a rare i often). Rows of never-chosen experts are 0, and so is the diagonal
     (an expert trivially co-occurs with itself). Uniform random routing gives (k - 1) / (E - 1) off the diagonal."""
+    _check_trace(tr)
     chosen = _chosen(tr).flatten(1, 2).float()  # [L_moe, N, E] 0/1
     together = chosen.transpose(1, 2) @ chosen  # [L_moe, E, E] N(i and j); the diagonal is N(i)
     alone = together.diagonal(dim1=1, dim2=2)  # [L_moe, E]
@@ -252,6 +261,10 @@ def coactivation(tr: RoutingTrace) -> torch.Tensor:
 def consecutive_same_expert_rate(tr: RoutingTrace) -> torch.Tensor:
     """[L_moe] the share of neighbouring token pairs (t, t + 1), within each sequence, whose chosen sets share at
     least one expert: mean over pairs of 1[S_t and S_(t+1) intersect]. Compare with ``consecutive_baseline``."""
+    _check_trace(tr)
+    if tr.indices.shape[2] < 2:
+        raise ValueError(f"consecutive_same_expert_rate needs sequences of 2 or more tokens; the trace's are "
+                         f"{tr.indices.shape[2]} long")
     chosen = _chosen(tr)  # [L_moe, B, T, E]
     shared = (chosen[:, :, 1:] & chosen[:, :, :-1]).any(-1)  # [L_moe, B, T - 1]
     real = tr.real_tokens()
@@ -262,6 +275,9 @@ def consecutive_same_expert_rate(tr: RoutingTrace) -> torch.Tensor:
 def consecutive_baseline(num_experts: int, top_k: int) -> float:
     """What ``consecutive_same_expert_rate`` would be if each token drew its k experts uniformly at random:
     1 - C(E - k, k) / C(E, k), the chance that two random k-sets of E share an expert (0.156 for K2's 8 of 384)."""
+    if not (_is_int(num_experts) and _is_int(top_k) and 1 <= top_k <= num_experts):
+        raise ValueError(f"num_experts and top_k must be integers with 1 <= top_k <= num_experts, got "
+                         f"num_experts={num_experts!r}, top_k={top_k!r}")
     return 1 - math.comb(num_experts - top_k, top_k) / math.comb(num_experts, top_k)
 
 
@@ -274,10 +290,39 @@ def router_entropy(tr: RoutingTrace, over: Literal["scores", "weights"] = "score
       spreads over the experts it uses."""
     if over not in ("scores", "weights"):
         raise ValueError(f"over must be 'scores' or 'weights', got {over!r}")
+    _check_trace(tr)
     values = (tr.scores if over == "scores" else tr.weights).double()
     p = values / values.sum(-1, keepdim=True).clamp(min=1e-300)
     entropy = -(p * p.clamp(min=1e-300).log()).sum(-1).float()  # [L_moe, B, T]
     return entropy.masked_fill(~tr.real_tokens(), float("nan"))  # pads: NaN
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_trace(tr: RoutingTrace, top: int | None = None) -> None:
+    """A trace with at least one MoE layer and one token; ``top`` (if given) a slot count in 1..k."""
+    if not isinstance(tr, RoutingTrace):
+        raise TypeError(f"tr must be a RoutingTrace (k2lab.routing.trace(model, ids)), got {type(tr).__name__}")
+    if not tr.layers or tr.indices.shape[0] == 0:
+        raise ValueError("the routing trace has no MoE layer: nothing to measure")
+    if tr.indices[0, ..., 0].numel() == 0:
+        raise ValueError(f"the routing trace holds no tokens ([B, T] = {list(tr.indices.shape[1:3])})")
+    k = tr.indices.shape[-1]
+    if top is not None and not (_is_int(top) and 1 <= top <= k):
+        raise ValueError(f"top must be None or an integer in 1..k={k}, got {top!r}")
+
+
+def _check_counts(counts: torch.Tensor) -> torch.Tensor:
+    """Expert counts [..., E] with at least one routed token in every row."""
+    counts = torch.as_tensor(counts)
+    if counts.dim() == 0 or counts.shape[-1] == 0 or counts.is_floating_point() and not counts.isfinite().all():
+        raise ValueError(f"counts must be expert counts [..., E], got {counts.dtype} {list(counts.shape)}")
+    if counts.numel() == 0 or (counts.sum(-1) <= 0).any() or (counts < 0).any():
+        raise ValueError("counts hold a row with no routed tokens (or a negative count): a load needs tokens; "
+                         f"got shape {list(counts.shape)}")
+    return counts
 
 
 def _chosen(tr: RoutingTrace) -> torch.Tensor:

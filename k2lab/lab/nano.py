@@ -13,7 +13,9 @@ from ..model.transformer import K2Model
 from ..tokenizer.tokenizer import K2Tokenizer
 from ..weights.load import load
 from ..weights.quant import QuantFormat
+from ..weights.quant.base import QuantizedResident
 from ..weights.schema import EXPERT_TENSOR
+from ..weights.streaming import StreamedExperts
 from ..weights.writer import write_checkpoint
 
 # Package data: found through importlib.resources, so an installed wheel carries it as an editable checkout does.
@@ -33,7 +35,10 @@ def load_nano(dtype: torch.dtype = torch.float32) -> tuple[K2Model, K2Tokenizer]
 def save_checkpoint(model: K2Model, folder: str | Path, *, fp8: bool = True,
                     format: QuantFormat | str | None = None) -> Path:
     """Write a model in the release layout, per-expert tensor names, its matrices in ``format`` (a QuantFormat or a
-    name; default: FP8 in 128x128 blocks when ``fp8``, else unquantized)."""
+    name; default: FP8 in 128x128 blocks when ``fp8``, else unquantized). A model whose weights are not all in memory
+    as plain tensors (streamed experts, quantized-resident matrices, meta tensors) is refused before anything is
+    written; the write itself replaces ``folder`` only once complete."""
+    _check_saveable(model)
     state = model.state_dict()
 
     def tensor(spec):
@@ -44,3 +49,18 @@ def save_checkpoint(model: K2Model, folder: str | Path, *, fp8: bool = True,
         return state[spec.name.removeprefix("model.")]
 
     return write_checkpoint(folder, model.config, tensor, fp8=fp8, format=format)
+
+
+def _check_saveable(model: K2Model) -> None:
+    if not isinstance(model, K2Model):
+        raise TypeError(f"model must be a K2Model, got {type(model).__name__}")
+    for name, module in model.named_modules():
+        if isinstance(module, StreamedExperts):
+            raise ValueError(f"model cannot be saved: its routed experts are streamed from the files (load without "
+                             f"expert_budget_bytes); {name} is a {type(module).__name__}")
+        if isinstance(module, QuantizedResident):
+            raise ValueError(f"model cannot be saved: it holds quantized-resident weights (load with "
+                             f"quantized_resident=False); {name} is a {type(module).__name__}")
+    for name, tensor in model.state_dict().items():
+        if tensor.is_meta:
+            raise ValueError(f"model cannot be saved: {name} is on the meta device (it has no values)")

@@ -26,6 +26,7 @@ Variables (all optional):
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -56,6 +57,17 @@ class LabSettings:
     num_layers: int | None = None
     expert_budget_bytes: int | None = None
     dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
+            raise ValueError(f"LabSettings.model must be 'nano', a Hub repo id or a folder, got {self.model!r}")
+        _check_device_map(self.device_map, "LabSettings.device_map")
+        for name, low in (("num_layers", 1), ("expert_budget_bytes", 0)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"LabSettings.{name} must be None or an integer >= {low}, got {value!r}")
+        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise ValueError(f"LabSettings.dtype must be None or a floating torch dtype, got {self.dtype!r}")
 
     @property
     def is_nano(self) -> bool:
@@ -89,8 +101,8 @@ class LabSettings:
         env = os.environ if environ is None else environ
         get = lambda name: env.get(name, "").strip()
         budget = _parse(get, "K2LAB_EXPERT_BUDGET_GIB", float)
-        if budget is not None and budget < 0:
-            raise ValueError(f"K2LAB_EXPERT_BUDGET_GIB must be >= 0, got {budget}")
+        if budget is not None and not (math.isfinite(budget) and budget >= 0):
+            raise ValueError(f"K2LAB_EXPERT_BUDGET_GIB must be >= 0 and finite (GiB), got {budget}")
         layers = _parse(get, "K2LAB_NUM_LAYERS", int)
         if layers is not None and layers < 1:
             raise ValueError(f"K2LAB_NUM_LAYERS must be a positive integer, got {layers}")
@@ -129,8 +141,31 @@ def _device_map(text: str) -> DeviceMap:
             raise ValueError(f"K2LAB_DEVICE_MAP is not valid JSON: {err}") from None
         if not isinstance(mapping, dict):
             raise ValueError(f"K2LAB_DEVICE_MAP must be a JSON object, got {text!r}")
+        _check_device_map(mapping, "K2LAB_DEVICE_MAP")
         return mapping
+    _check_device_map({"": text}, "K2LAB_DEVICE_MAP")
     return {"": text}
+
+
+def _check_device_map(device_map: object, name: str) -> None:
+    """None, "auto", or {module prefix: device} with devices torch knows (``"cuda:0"``, ``"cpu"``, an index)."""
+    if device_map is None or device_map == "auto":
+        return
+    if not isinstance(device_map, Mapping):
+        raise ValueError(f"{name} must be None, 'auto', a device or a mapping {{module prefix: device}}, "
+                         f"got {device_map!r}")
+    for prefix, device in device_map.items():
+        if not isinstance(prefix, str):
+            raise ValueError(f"{name}: module prefixes must be strings such as 'layers.3', got {prefix!r}")
+        if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+            continue  # a GPU index
+        try:
+            if not isinstance(device, (str, torch.device)):
+                raise TypeError
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"{name}[{prefix!r}] = {device!r} is not a torch device; use 'cpu', 'cuda:0', 'mps', "
+                             "... or a GPU index") from None
 
 
 def load_model(settings: LabSettings | None = None, *, fallback_to_nano: bool = False

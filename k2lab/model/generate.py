@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,6 +46,27 @@ def healing_mask(tokenizer: K2Tokenizer, last_ids: list[int], vocab_size: int) -
     return mask
 
 
+def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+                    seed: int | None) -> None:
+    """generate's numeric arguments: counts are whole numbers, probabilities and temperatures finite."""
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def real(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not whole(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not real(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
+    if top_k is not None and (not whole(top_k) or top_k < 1):
+        raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
+    if top_p is not None and (not real(top_p) or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be None or lie in (0, 1], got {top_p!r}")
+    if seed is not None and not whole(seed):
+        raise ValueError(f"seed must be None or an integer, got {seed!r}")
+
+
 @torch.no_grad()
 def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -70,14 +92,7 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     last prompt token is dropped and the first new token is chosen among those whose bytes start with its
     bytes. The result is then [B, T - 1 + n], and its text still starts with the prompt's.
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     text = input_ids if isinstance(input_ids, str) or (isinstance(input_ids, list | tuple) and input_ids
                                                         and all(isinstance(t, str) for t in input_ids)) else None
     if text is not None:

@@ -262,7 +262,10 @@ class K2Model(HookedModule):
         is_text = isinstance(input_ids, str) or (isinstance(input_ids, list | tuple) and len(input_ids) > 0
                                                  and all(isinstance(t, str) for t in input_ids))
         if not is_text:
-            ids = torch.as_tensor(input_ids)
+            try:
+                ids = torch.as_tensor(input_ids)
+            except (TypeError, ValueError, RuntimeError):
+                return input_ids, None  # not ids at all: _check_input names the problem
             ids = ids[None] if ids.dim() == 1 else ids
             if attention_mask is None or ids.dim() != 2:  # bad ids are named by _check_input
                 return ids, None
@@ -275,13 +278,24 @@ class K2Model(HookedModule):
 
     def _check_input(self, input_ids: torch.Tensor, cache: LatentCache | None) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor):
-            input_ids = torch.as_tensor(input_ids)
+            try:
+                input_ids = torch.as_tensor(input_ids)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"input_ids must be integer token ids [B, T] (a tensor or nested lists of int), got "
+                                f"{type(input_ids).__name__} {str(input_ids)[:60]}") from None
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
+                or input_ids.dtype == torch.bool:
             raise ValueError(
                 f"input_ids must be integer token ids [B, T]; got {input_ids.dtype} {tuple(input_ids.shape)}"
             )
+        if input_ids.dtype not in (torch.int32, torch.int64):  # uint8, int16...: the embedding takes int32/int64
+            input_ids = input_ids.long()
+        if input_ids.shape[0] == 0:
+            raise ValueError(f"input_ids has no rows ({tuple(input_ids.shape)}): at least one sequence is needed")
+        if cache is not None:
+            self._check_cache(cache)
         B, T = input_ids.shape
         if T == 0:
             raise ValueError("input_ids is empty: at least one token is needed")
@@ -302,6 +316,16 @@ class K2Model(HookedModule):
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"cache holds {cache.batch_size} rows but input_ids has {B}")
         return input_ids.to(self.device)
+
+    def _check_cache(self, cache: LatentCache) -> None:
+        """A cache made by ``new_cache`` of a model of this shape and dtype."""
+        if not isinstance(cache, LatentCache):
+            raise TypeError(f"cache must be a LatentCache from model.new_cache(batch_size), got {type(cache).__name__}")
+        layers, width = len(self.layers), self.config.kv_lora_rank + self.config.qk_rope_head_dim
+        if (len(cache._buffers), cache.width, cache.dtype) != (layers, width, self.dtype):
+            raise ValueError(f"cache holds {len(cache._buffers)} layers of {cache.width} {cache.dtype} values per "
+                             f"token, but this model needs {layers} layers of {width} {self.dtype}: another model "
+                             f"made it; use model.new_cache(batch_size)")
 
 
 def check_attention_mask(attention_mask: torch.Tensor, B: int, T: int) -> torch.Tensor:

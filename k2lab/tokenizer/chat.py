@@ -45,6 +45,7 @@ def chat_segments(
     Keeping the template's markers apart from the messages' text lets a tokenizer encode the markers
     as control tokens while treating the text under its own special-token policy.
     """
+    _check_messages(messages, tools)
     out: list[tuple[str, bool]] = []
 
     def turn(marker: str, role: str) -> None:
@@ -94,6 +95,31 @@ def render_chat(
     return "".join(text for text, _ in chat_segments(messages, tools, add_generation_prompt))
 
 
+def _check_messages(messages: Sequence[dict], tools: Sequence[dict] | None) -> None:
+    """Each message a dict with a string "role" and content the template can render; the error names the message."""
+    if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of dicts with 'role' and 'content', got {type(messages).__name__}")
+    if tools is not None and (isinstance(tools, (str, dict)) or not isinstance(tools, Sequence)
+                              or not all(isinstance(t, dict) for t in tools)):
+        raise TypeError(f"tools must be None or a list of function declarations (dicts), got {tools!r:.80}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a 'role' (a str such as 'user'), got {message.get('role')!r}")
+        content = message.get("content")
+        if not (content is None or isinstance(content, str) or isinstance(content, list) and all(
+                isinstance(part, dict) for part in content)):
+            raise TypeError(f"messages[{i}]['content'] must be a str, None or a list of parts, got {content!r:.80}")
+        if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
+            raise ValueError(f"messages[{i}] is a tool result and needs a 'tool_call_id' (a str)")
+        for j, call in enumerate(message.get("tool_calls") or []):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not (isinstance(function, dict) and isinstance(call.get("id"), str) and "arguments" in function):
+                raise ValueError(f"messages[{i}]['tool_calls'][{j}] needs an 'id' and a 'function' with 'arguments', "
+                                 f"got {call!r:.80}")
+
+
 def _content_text(content: str | list | None) -> str:
     """A message's content as text: a string as is, text parts joined. K2-Instruct reads no images."""
     if content is None or isinstance(content, str):
@@ -102,5 +128,7 @@ def _content_text(content: str | list | None) -> str:
     for part in content:
         if part.get("type") != "text":
             raise ValueError(f"Kimi-K2-Instruct's template renders text parts only, got a {part.get('type')!r} part")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"a text part needs a 'text' string, got {part!r:.80}")
         texts.append(part["text"])
     return "".join(texts)

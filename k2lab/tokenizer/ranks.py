@@ -45,7 +45,14 @@ def load_ranks(path: str | Path) -> dict[bytes, int]:
     path = Path(path)
     ranks: dict[bytes, int] = {}
     line_of_rank: dict[int, int] = {}
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise TokenizerFileError(
+            f"{path}: not a tiktoken rank file (byte {error.start} is not UTF-8 text; expected lines of "
+            "'<base64 token> <rank>')"
+        ) from None
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         fields = line.split()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import codecs
 import json
+import operator
+import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -139,6 +141,43 @@ codecs.register_error("k2lab.hexbytes", _readable_bytes)
 # precedes (see K2Tokenizer._chunks). "Non-space" is kept to characters no engine calls whitespace.
 _SAFE_CUT = re.compile(r"(?<=\n)(?=[!-~\w])|(?<=[!-~\w])(?= )")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# Whitespace other than newlines (what both engines call \s: not the separators \x1c-\x1f, which Python's re
+# also counts), in a run long enough to make the regex backtrack for long (see K2Tokenizer._chunks).
+LONG_WHITESPACE = 4096
+_LONG_WHITESPACE_TAIL = re.compile(rf"[^\S\r\n\x1c-\x1f]{{{LONG_WHITESPACE},}}")
+
+
+class _WholePiece(str):
+    """Text known to be one pre-token of Kimi's regex: it skips the regex and goes to the BPE whole."""
+
+
+def _safe_cuts(text: str) -> list[str]:
+    r"""Cut a long text at safe places, so that `tokenizers` encodes it as a fast parallel batch.
+
+    `tokenizers` is several times slower than tiktoken on one huge string. A cut is safe where every
+    match of Kimi's regex ends whatever comes after: after "\n" followed by a non-space (no branch runs a
+    newline into a non-space), and before " " preceded by a non-space (no branch puts a space after a
+    non-space). The only lookahead, `\s+(?!\S)`, cannot end at such a cut: after "\n" the branch
+    `\s*[\r\n]+` always wins first, and before " " the last character is not a space.
+    """
+    if not text:
+        return []
+    chunks = []
+    start = 0
+    while len(text) - start > CHUNK_CHARS:
+        cut = _SAFE_CUT.search(text, start + CHUNK_CHARS)
+        if cut is None:
+            break
+        chunks.append(text[start : cut.start()])
+        start = cut.start()
+    chunks.append(text[start:])
+    return chunks
+
+
+def _check_text(text: object, name: str) -> None:
+    if not isinstance(text, str):
+        hint = "; decode the bytes first (text.decode('utf-8'))" if isinstance(text, (bytes, bytearray)) else ""
+        raise TypeError(f"{name} must be a str, got {type(text).__name__}{hint}")
 
 
 class K2Tokenizer:
@@ -196,19 +235,29 @@ class K2Tokenizer:
 
     def encode(self, text: str, allow_special: bool | None = None) -> list[int]:
         """Token ids of `text` (no BOS is added). `allow_special=None` uses the tokenizer's default."""
+        _check_text(text, "text")
         return self.encode_batch([text], allow_special)[0]
 
     def encode_batch(self, texts: Sequence[str], allow_special: bool | None = None) -> list[list[int]]:
         """Token ids of each text, encoded together in one parallel batch."""
+        if isinstance(texts, (str, bytes)) or not isinstance(texts, Iterable):
+            raise TypeError(f"texts must be a list of str, got {type(texts).__name__}; for one text use encode(text)")
+        texts = list(texts)
+        for i, text in enumerate(texts):
+            _check_text(text, f"texts[{i}]")
+        if allow_special is not None and not isinstance(allow_special, bool):
+            raise TypeError(f"allow_special must be True, False or None, got {allow_special!r}")
         allow = self.allow_special if allow_special is None else allow_special
         layouts = [self._layout(text, allow) for text in texts]
-        plain = [part for layout in layouts for part in layout if isinstance(part, str)]
+        plain = [part for layout in layouts for part in layout if type(part) is str]
         encoded = iter(self._text_backend.encode_batch_fast(plain, add_special_tokens=False))
         batch = []
         for layout in layouts:
             ids: list[int] = []
             for part in layout:
-                if isinstance(part, str):
+                if isinstance(part, _WholePiece):  # one pre-token, past the regex: BPE alone
+                    ids += [t.id for t in self._text_backend.model.tokenize(byte_level(part.encode("utf-8")))]
+                elif isinstance(part, str):
                     ids += next(encoded).ids
                 else:
                     ids.append(part)
@@ -255,32 +304,33 @@ class K2Tokenizer:
 
     @staticmethod
     def _chunks(text: str) -> list[str]:
-        r"""Cut a long text into pieces that encode, one by one, to exactly the ids of the whole.
+        r"""Cut a text into pieces that encode, one by one, to exactly the ids of the whole.
 
-        `tokenizers` is several times slower than tiktoken on one huge string, but fast on a parallel
-        batch. A cut is safe where every match of Kimi's regex ends whatever comes after: after "\n"
-        followed by a non-space (no branch runs a newline into a non-space), and before " " preceded by a
-        non-space (no branch puts a space after a non-space). The only lookahead, `\s+(?!\S)`, cannot end
-        at such a cut: after "\n" the branch `\s*[\r\n]+` always wins first, and before " " the last
-        character is not a space.
+        A long tail of whitespace without a newline (the end of a whitespace run, followed by a non-space
+        or by the end) makes the regex engines backtrack once per character over it: `\s*[\r\n]+` looks
+        for a newline that never comes, and past ten million characters `tokenizers` panics (tiktoken
+        errors past about a million). Its pre-tokens are known without the regex: a match ends where the
+        tail starts (after the run's last newline, or after a non-space), and `\s+(?!\S)` takes the tail
+        whole at the end of the text, or all but its last character, which joins what follows. So such a
+        tail is cut out as one `_WholePiece` that goes to the BPE directly, and the regex sees the rest.
         """
-        if not text:
-            return []
-        chunks = []
+        chunks: list[str] = []
         start = 0
-        while len(text) - start > CHUNK_CHARS:
-            cut = _SAFE_CUT.search(text, start + CHUNK_CHARS)
-            if cut is None:
-                break
-            chunks.append(text[start : cut.start()])
-            start = cut.start()
-        chunks.append(text[start:])
-        return chunks
+        for tail in _LONG_WHITESPACE_TAIL.finditer(text):
+            end = tail.end()
+            if end < len(text) and text[end] in "\r\n":  # not a tail: the run goes on to a newline
+                continue
+            keep_last = end < len(text)  # the tail's last character joins the next pre-token
+            chunks += _safe_cuts(text[start : tail.start()])
+            chunks.append(_WholePiece(text[tail.start() : end - keep_last]))
+            start = end - keep_last
+        return chunks + _safe_cuts(text[start:])
 
     # -- decoding and inspection ------------------------------------------------------------------------
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes of one token (a special token's are its name in UTF-8)."""
+        i = _id_list([i])[0]
         self._check_ids([i])
         return self._token_bytes[i]
 
@@ -289,8 +339,8 @@ class K2Tokenizer:
         return self.token_bytes(i).decode("utf-8", errors="k2lab.hexbytes")
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids` (a list, or anything with .tolist() such as a tensor); broken UTF-8 becomes U+FFFD."""
-        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        """Text of `ids`: a list of ints or a 1-D tensor or array; broken UTF-8 becomes U+FFFD."""
+        ids = _id_list(ids)
         self._check_ids(ids)
         return b"".join(map(self._token_bytes.__getitem__, ids)).decode("utf-8", errors="replace")
 
@@ -303,6 +353,7 @@ class K2Tokenizer:
 
     def pieces(self, text: str, allow_special: bool | None = None) -> list[Token]:
         """The tokens of `text` with their character spans, for visualisation."""
+        _check_text(text, "text")
         text = _repair_surrogates(text)
         char_of_byte = [i for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))]
         char_of_byte.append(len(text))
@@ -347,6 +398,21 @@ class K2Tokenizer:
             else:
                 text += segment
         return ids + self.encode(text, allow)
+
+
+def _id_list(ids: object) -> list[int]:
+    """Token ids as a list of ints: from a list, a tuple or a 1-D tensor or array (a 2-D one is refused)."""
+    if isinstance(ids, (str, bytes)):
+        raise TypeError(f"ids must be token ids (a list of int or a 1-D tensor), got a {type(ids).__name__}")
+    shape = getattr(ids, "shape", None)
+    if shape is not None and len(shape) != 1:
+        hint = "; decode one row, e.g. tok.decode(ids[0])" if len(shape) == 2 else ""
+        raise ValueError(f"ids must be 1-D token ids, got a tensor of shape {list(shape)}{hint}")
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    for i in ids:
+        if isinstance(i, bool) or not hasattr(type(i), "__index__"):  # ints and numpy integers
+            raise TypeError(f"token ids must be integers, got {i!r} ({type(i).__name__})")
+    return [operator.index(i) for i in ids]
 
 
 def _repair_surrogates(text: str) -> str:
@@ -414,6 +480,10 @@ def load_tokenizer(
     repo only those two files are fetched, through the Hub cache, so HF_HUB_OFFLINE=1 works once they are
     cached. `allow_special` sets the default special-token policy of encode (see K2Tokenizer).
     """
+    if not isinstance(path_or_repo_id, (str, os.PathLike)) or not str(path_or_repo_id):
+        raise TypeError(f"path_or_repo_id must be a folder or a Hub repo id, got {path_or_repo_id!r}")
+    if not isinstance(allow_special, bool):
+        raise TypeError(f"allow_special must be True or False, got {allow_special!r}")
     tokenizer_json = find_tokenizer_json(path_or_repo_id, revision)
     if tokenizer_json is not None:
         from .tokenizer_json import load_tokenizer_json
@@ -424,6 +494,10 @@ def load_tokenizer(
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         raise TokenizerFileError(f"{config_path}:{error.lineno}: not valid JSON ({error.msg})") from None
+    except UnicodeDecodeError as error:
+        raise TokenizerFileError(f"{config_path}: not UTF-8 text (byte {error.start}); expected JSON") from None
+    if not isinstance(config, dict):
+        raise TokenizerFileError(f"{config_path}: expected a JSON object, got a {type(config).__name__}")
     ranks = load_ranks(ranks_path)
     specials = special_tokens_from_config(config, len(ranks), config_path)
     names = {}

@@ -1,7 +1,11 @@
 """Train K2-nano with K2's own recipe on the offline standard-library corpus.
 
-    python -m k2lab.training --preset nano            # the bundled run, seeded (its time: docs/experiments.md)
+    python -m k2lab.training --preset nano --out runs/nano   # the bundled run, seeded (its time: docs/experiments.md)
     python -m k2lab.training --width 192 --set steps=290 warmup=15 --out runs/w192   # a trial beside it
+    python -m k2lab.training --out k2lab/lab/assets/nano --overwrite                   # replace the bundled model
+
+The checkpoint and the log are saved after each evaluation, so an interrupted run keeps what it did; the output
+folder is checked (writable, empty unless ``--overwrite``) before the corpus is encoded.
 
 The recipe (k2lab.training.optim): MuonClip for hidden matrices (AdamW for embedding, head and norms), QK-Clip after
 every step from the logits the probes saw, aux-loss-free balancing of the router's correction bias, and a
@@ -18,6 +22,8 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import shutil
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -29,7 +35,7 @@ from ..config import K2Config
 from ..lab.nano import NANO_DIR, save_checkpoint
 from ..model.loss import head_cross_entropy
 from ..model.transformer import K2Model
-from ..tokenizer.tokenizer import K2Tokenizer, load_tokenizer
+from ..tokenizer.tokenizer import CONFIG_FILE, RANKS_FILE, K2Tokenizer, load_tokenizer
 from . import corpus
 from .optim import MuonClip, balance_router_bias, qk_clip, wsd_lr
 
@@ -70,6 +76,50 @@ class TrainConfig:
     # loss runs in chunks and attention stays fused, little is left to fuse (benchmarks.train_step measures it).
     # true/false (or 1/0) on the command line.
     compile: bool = False
+
+    def __post_init__(self) -> None:
+        check_train_config(self)
+
+
+# Each field's allowed values: (what it must be, the test). Ints refuse bools and floats.
+def _int(low: int):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _real(low: float, high: float = math.inf, closed_high: bool = True, open_low: bool = False):
+    def test(v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return False
+        return (v > low if open_low else v >= low) and (v <= high if closed_high else v < high)
+    return test
+
+
+_RULES = {
+    "steps": ("an integer >= 1", _int(1)),
+    "batch_size": ("an integer >= 1", _int(1)),
+    "seq_len": ("an integer >= 1", _int(1)),
+    "lr": ("a finite number > 0", _real(0, open_low=True)),
+    "embed_lr_scale": ("a finite number >= 0", _real(0)),
+    "head_lr_scale": ("a finite number >= 0", _real(0)),
+    "weight_decay": ("a finite number >= 0", _real(0)),
+    "warmup": ("an integer >= 0", _int(0)),
+    "decay_fraction": ("a number in [0, 1]", _real(0, 1)),
+    "qk_clip_tau": ("a finite number > 0", _real(0, open_low=True)),
+    "bias_step": ("a finite number >= 0", _real(0)),
+    "test_suite_share": ("a number in [0, 1]", _real(0, 1)),
+    "seed": ("an integer >= 0", _int(0)),
+    "eval_every": ("an integer >= 1", _int(1)),
+    "threads": ("None or an integer >= 1", lambda v: v is None or _int(1)(v)),
+    "compile": ("True or False", lambda v: isinstance(v, bool)),
+}
+
+
+def check_train_config(tc: TrainConfig) -> None:
+    """Raise ValueError naming the first field of ``tc`` outside its allowed values."""
+    for name, (allowed, test) in _RULES.items():
+        value = getattr(tc, name)
+        if not test(value):
+            raise ValueError(f"TrainConfig.{name} must be {allowed}, got {value!r}")
 
 
 PRESETS = {"nano": (K2Config.nano, TrainConfig)}
@@ -168,8 +218,16 @@ def recipe_step(model: K2Model, opt: MuonClip, batch: torch.Tensor, qk_clip_tau:
     return loss.detach(), max_logits, gamma, probes
 
 
-def train(cfg: K2Config, tc: TrainConfig, tokenizer: K2Tokenizer, log_every: int = 10) -> tuple[K2Model, dict]:
-    """Run the recipe; returns the trained model and its log (config, per-step records, evaluations)."""
+def train(cfg: K2Config, tc: TrainConfig, tokenizer: K2Tokenizer, log_every: int = 10,
+          save: Callable[[K2Model | None, dict], None] | None = None) -> tuple[K2Model, dict]:
+    """Run the recipe; returns the trained model and its log (config, per-step records, evaluations).
+
+    ``save(model, log)``, if given, is called after each evaluation, so a run keeps what it did; if the run stops
+    early (an interrupt, an error) it is called once more as ``save(None, log)`` with the log so far (the weights
+    of a step cut short are not saved) before the error goes on."""
+    check_train_config(tc)
+    if not isinstance(cfg, K2Config):
+        raise TypeError(f"cfg must be a K2Config, got {type(cfg).__name__}")
     if tc.threads:
         torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
@@ -178,6 +236,9 @@ def train(cfg: K2Config, tc: TrainConfig, tokenizer: K2Tokenizer, log_every: int
     tests = encode_documents(tokenizer, corpus.test_suite_documents("train"))  # [M], empty without Lib/test
     test_rows = round(tc.batch_size * tc.test_suite_share) if len(tests) > tc.seq_len else 0
     heldout_code = token_stream(tokenizer, "heldout", "code")
+    if len(library) <= tc.seq_len + 1 or len(heldout_code) < 2 * tc.seq_len:
+        raise ValueError(f"TrainConfig.seq_len={tc.seq_len} is too long for the corpus ({len(library):,} training "
+                         f"and {len(heldout_code):,} held-out tokens)")
     model = K2Model(cfg)
     model.init_weights(seed=tc.seed)
     model.train()
@@ -187,33 +248,42 @@ def train(cfg: K2Config, tc: TrainConfig, tokenizer: K2Tokenizer, log_every: int
     log: dict = {"model": asdict(cfg), "train": asdict(tc), "train_tokens": len(library) + len(tests),
                  "test_suite_rows": test_rows, "steps": [], "evals": []}
     start = time.perf_counter()
-    for step in range(tc.steps):
-        lr = wsd_lr(step, tc.steps, tc.lr, tc.warmup, tc.decay_fraction)
-        bias_step = wsd_lr(step, tc.steps, tc.bias_step, 0, tc.decay_fraction)  # flat, then down with the lr
-        for group in opt.param_groups:
-            group["lr"] = lr
-        rows = [sample_batch(library, tc.batch_size - test_rows, tc.seq_len, gen)]
-        if test_rows:
-            rows.append(sample_batch(tests, test_rows, tc.seq_len, gen))
-        batch = torch.cat(rows)  # [B, T+1]
-        loss, max_logits, gamma, probes = recipe_step(model, opt, batch, tc.qk_clip_tau, bias_step, loss_fn)
-        log["steps"].append({
-            "step": step, "loss": round(loss.item(), 4), "lr": lr, "bias_step": bias_step,
-            "max_logits": max_logits.round(decimals=2).tolist(),
-            "clipped_heads": int((gamma < 1).sum()),
-            "expert_load": [c.tolist() for c in probes.expert_counts],
-            "seconds": round(time.perf_counter() - start, 1),
-        })
-        if step % log_every == 0 or step == tc.steps - 1:
-            tokens_per_s = (step + 1) * tc.batch_size * tc.seq_len / (time.perf_counter() - start)
-            print(f"step {step:5d}  loss {loss.item():.3f}  lr {lr:.2e}  max logit {max_logits.max():.1f}  "
-                  f"{tokens_per_s:,.0f} tok/s", flush=True)
-        if (step + 1) % tc.eval_every == 0 or step == tc.steps - 1:
-            model.eval()
-            bpb = bits_per_byte(model, tokenizer, heldout_code, tc.seq_len)
-            model.train()
-            log["evals"].append({"step": step, "heldout_code_bpb": round(bpb, 4)})
-            print(f"step {step:5d}  held-out code: {bpb:.3f} bits/byte", flush=True)
+    try:
+        for step in range(tc.steps):
+            lr = wsd_lr(step, tc.steps, tc.lr, tc.warmup, tc.decay_fraction)
+            bias_step = wsd_lr(step, tc.steps, tc.bias_step, 0, tc.decay_fraction)  # flat, then down with the lr
+            for group in opt.param_groups:
+                group["lr"] = lr
+            rows = [sample_batch(library, tc.batch_size - test_rows, tc.seq_len, gen)] if tc.batch_size > test_rows \
+                else []
+            if test_rows:
+                rows.append(sample_batch(tests, test_rows, tc.seq_len, gen))
+            batch = torch.cat(rows)  # [B, T+1]
+            loss, max_logits, gamma, probes = recipe_step(model, opt, batch, tc.qk_clip_tau, bias_step, loss_fn)
+            log["steps"].append({
+                "step": step, "loss": round(loss.item(), 4), "lr": lr, "bias_step": bias_step,
+                "max_logits": max_logits.round(decimals=2).tolist(),
+                "clipped_heads": int((gamma < 1).sum()),
+                "expert_load": [c.tolist() for c in probes.expert_counts],
+                "seconds": round(time.perf_counter() - start, 1),
+            })
+            if step % log_every == 0 or step == tc.steps - 1:
+                tokens_per_s = (step + 1) * tc.batch_size * tc.seq_len / (time.perf_counter() - start)
+                print(f"step {step:5d}  loss {loss.item():.3f}  lr {lr:.2e}  max logit {max_logits.max():.1f}  "
+                      f"{tokens_per_s:,.0f} tok/s", flush=True)
+            if (step + 1) % tc.eval_every == 0 or step == tc.steps - 1:
+                model.eval()
+                bpb = bits_per_byte(model, tokenizer, heldout_code, tc.seq_len)
+                model.train()
+                log["evals"].append({"step": step, "heldout_code_bpb": round(bpb, 4)})
+                print(f"step {step:5d}  held-out code: {bpb:.3f} bits/byte", flush=True)
+                if save is not None:
+                    save(model, log)
+    except BaseException:
+        if save is not None:
+            log["stopped_early"] = True
+            save(None, log)
+        raise
     model.eval()
     log["seconds"] = round(time.perf_counter() - start, 1)
     train_tokens = torch.cat([library, tests])  # the training split, for the baseline
@@ -228,6 +298,8 @@ _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 def train_config_from(pairs: Iterable[str], base: TrainConfig | None = None) -> TrainConfig:
     """``TrainConfig`` with ``key=value`` overrides (``["steps=400", "lr=1e-2"]``), each value read as its
     field's type. Raises ValueError naming an unknown key or a value of the wrong type."""
+    if isinstance(pairs, str) or not all(isinstance(pair, str) for pair in pairs):
+        raise TypeError(f"pairs must be a list of 'key=value' strings, got {pairs!r}")
     tc = dataclasses.replace(base or TrainConfig())
     fields = [f.name for f in dataclasses.fields(TrainConfig)]
     for pair in pairs:
@@ -239,28 +311,67 @@ def train_config_from(pairs: Iterable[str], base: TrainConfig | None = None) -> 
             setattr(tc, key, _BOOLS[text.lower()] if kind is bool else kind(text))
         except (KeyError, ValueError):
             raise ValueError(f"{pair!r}: {key} takes {kind.__name__} values") from None
+    check_train_config(tc)
     tc.eval_every = min(tc.eval_every, tc.steps)
     return tc
+
+
+def prepare_output(out: Path, overwrite: bool) -> None:
+    """Make sure the run can be kept before it starts: ``out`` is a folder (made if missing) that is empty unless
+    ``overwrite``, files can be written in it and beside it (checkpoints are written in a sibling folder and
+    swapped in); the tokenizer is copied in, so the folder loads on its own. Raises ValueError or OSError naming
+    ``--out``."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        bundled = " (the bundled K2-nano)" if out.resolve() == NANO_DIR.resolve() else ""
+        raise ValueError(f"--out {out}{bundled} already holds files; pass --overwrite to replace its checkpoint and "
+                         "log, or choose another folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out.with_name(f".{out.name}.probe-{os.getpid()}")
+        probe.mkdir()
+        probe.rmdir()
+        for name in (RANKS_FILE, CONFIG_FILE):
+            if not (out / name).exists() or not (out / name).samefile(NANO_DIR / name):
+                shutil.copyfile(NANO_DIR / name, out / name)
+    except OSError as error:
+        raise OSError(f"--out {out}: cannot write the run there ({error.strerror or error})") from None
+
+
+def write_log(out: Path, log: dict) -> None:
+    """The training log as JSON, replaced whole (never half-written)."""
+    partial = out / f".training_log.json.{os.getpid()}"
+    partial.write_text(json.dumps(log))
+    os.replace(partial, out / "training_log.json")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Train K2-nano with K2's recipe on the standard library.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="nano")
-    parser.add_argument("--out", type=Path, default=NANO_DIR, help="checkpoint folder")
+    parser.add_argument("--out", type=Path, help="checkpoint folder (default: runs/<preset>); the bundled "
+                        "K2-nano is k2lab/lab/assets/nano and is replaced only with --overwrite")
+    parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint and log in a non-empty --out")
     parser.add_argument("--width", type=int, help="hidden size, the preset's own by default; every matrix scales")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="override TrainConfig fields, e.g. --set steps=400 lr=1e-2 threads=1")
     args = parser.parse_args()
+    out = args.out or Path("runs") / (args.preset if args.width is None else f"{args.preset}-w{args.width}")
     model_factory, train_factory = PRESETS[args.preset]
     try:
         model_cfg = model_factory() if args.width is None else model_factory(args.width)
         train_cfg = train_config_from(args.set, train_factory())
-    except ValueError as err:
+        prepare_output(out, args.overwrite)
+    except (ValueError, OSError) as err:
         parser.error(str(err))
     tokenizer = load_tokenizer(NANO_DIR)
-    model, log = train(model_cfg, train_cfg, tokenizer)
-    save_checkpoint(model, args.out, fp8=True)
-    (args.out / "training_log.json").write_text(json.dumps(log))
-    print(f"held-out code: {log['evals'][-1]['heldout_code_bpb']:.3f} bits/byte "
-          f"(unigram {log['unigram_heldout_code_bpb']:.3f}) after {log['seconds'] / 60:.1f} min")
 
+    def save(model: K2Model | None, log: dict) -> None:
+        if model is not None:
+            save_checkpoint(model, out, fp8=True)
+        write_log(out, log)
+
+    _, log = train(model_cfg, train_cfg, tokenizer, save=save)
+    write_log(out, log)  # the last evaluation saved the final weights
+    print(f"held-out code: {log['evals'][-1]['heldout_code_bpb']:.3f} bits/byte "
+          f"(unigram {log['unigram_heldout_code_bpb']:.3f}) after {log['seconds'] / 60:.1f} min; saved in {out}")

@@ -9,14 +9,15 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from .style import DIVERGING, SEQUENTIAL, array, finish, token_labels
+from .style import DIVERGING, SEQUENTIAL, data, finish, same_length, token_labels
 
 
 def pattern_figure(pattern: torch.Tensor, tokens: Sequence[str], head_labels: Sequence[str] | None = None,
                    title: str = "") -> go.Figure:
     """Attention patterns [H, T, S] (one batch row), one heatmap per head on a shared 0..1 scale: row t is where
     query t looks; keys on the x axis. Masked (future) positions are blank."""
-    pattern = array(pattern)
+    pattern = data(pattern, "pattern", 3)
+    same_length(pattern, tokens, "pattern [H, T, S]", "tokens", axis=2)
     H = pattern.shape[0]
     labels = token_labels(tokens)
     heads = list(head_labels) if head_labels is not None else [f"head {h}" for h in range(H)]
@@ -42,7 +43,11 @@ def score_split_figure(content: torch.Tensor, position: torch.Tensor, tokens: Se
     """One head's pre-softmax scores [T, S] as their two MLA terms and their sum, on one diverging scale:
     content = scale * q_nope . k_nope (what the tokens are), position = scale * q_pe . k_pe (the rotary part: where
     they are). Future positions are blank."""
-    content, position = array(content), array(position)
+    content, position = data(content, "content", 2), data(position, "position", 2)
+    if content.shape != position.shape:
+        raise ValueError(f"content and position must share a shape, got {list(content.shape)} and "
+                         f"{list(position.shape)}")
+    same_length(content, tokens, "the scores [T, S]", "tokens", axis=1)
     total = content + position
     T, S = total.shape
     masked = np.triu(np.ones((T, S), dtype=bool), k=1 + S - T)

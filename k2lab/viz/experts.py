@@ -10,7 +10,19 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from .style import BLUE, DIVERGING, ORANGE, RATIO_TICKS, RED, array, finish, log2_ratio, reference_line
+from .style import (
+    BLUE,
+    DIVERGING,
+    ORANGE,
+    RATIO_TICKS,
+    RED,
+    data,
+    finish,
+    log2_ratio,
+    reference_line,
+    same_length,
+    series_of,
+)
 
 _QUALITATIVE = (BLUE, ORANGE, "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
 
@@ -19,7 +31,8 @@ def load_figure(relative_load: torch.Tensor, layers: Sequence[int], title: str =
     """Left: relative load c_e / mean(c) per layer and expert on a diverging scale centred on 1 (balanced), log
     coloured so 0.5 and 2 look equally far. Right: MaxVio = max_e(relative load) - 1 per layer.
     ``relative_load``: [L_moe, E]."""
-    rel = array(relative_load)
+    rel = data(relative_load, "relative_load", 2)
+    same_length(rel, layers, "relative_load [L_moe, E]", "layers")
     ys = [f"layer {layer}" for layer in layers]
     fig = make_subplots(rows=1, cols=2, column_widths=[0.8, 0.2], shared_yaxes=True, horizontal_spacing=0.03,
                         subplot_titles=["relative load (1 = uniform)", "MaxVio"])
@@ -40,7 +53,8 @@ def specialization_figure(shares: Mapping[str, torch.Tensor], uniform: float, ti
     """The share of each domain's tokens routed to each expert (``routing.domain_specialization`` for one layer),
     experts ordered by how much more the first domain uses them than the second; the dashed line is uniform
     routing (top / E). ``shares``: {domain: [E]}."""
-    values = {name: array(v) for name, v in shares.items()}
+    series_of(shares, "shares")
+    values = {name: data(v, f"shares[{name!r}]", 1) for name, v in shares.items()}
     vals = list(values.values())
     order = np.argsort(-(vals[0] - vals[1]) if len(vals) > 1 else np.zeros(len(vals[0])), kind="stable")
     fig = go.Figure()
@@ -58,10 +72,13 @@ def layer_bars_figure(series: Mapping[str, torch.Tensor], layers: Sequence[int],
                       title: str = "") -> go.Figure:
     """Grouped bars of per-layer summaries ({name: [L_moe]}), with an optional dashed reference line: the
     consecutive-token rate against its random baseline, vocabulary specialisation of input against output ids."""
+    series_of(series, "series")
     scale = 100 if percent else 1
     fig = go.Figure()
     for (name, v), color in zip(series.items(), _QUALITATIVE, strict=False):
-        fig.add_trace(go.Bar(x=[str(layer) for layer in layers], y=scale * array(v), name=name, marker_color=color))
+        v = data(v, f"series[{name!r}]", 1)
+        same_length(v, layers, f"series[{name!r}]", "layers")
+        fig.add_trace(go.Bar(x=[str(layer) for layer in layers], y=scale * v, name=name, marker_color=color))
     if reference is not None:
         reference_line(fig, scale * reference, reference_label)
     fig.update_xaxes(title_text="layer", type="category")
@@ -72,7 +89,7 @@ def layer_bars_figure(series: Mapping[str, torch.Tensor], layers: Sequence[int],
 def coactivation_figure(coactivation: torch.Tensor, title: str = "") -> go.Figure:
     """C(i -> j) for one layer ([E, E], ``routing.coactivation``): row i, column j, the share of the tokens that
     chose expert i which also chose j."""
-    c = 100 * array(coactivation)
+    c = 100 * data(coactivation, "coactivation", 2)
     E = c.shape[0]
     fig = go.Figure(go.Heatmap(z=c, x=list(range(E)), y=list(range(E)), colorscale="Reds", zmin=0,
                                colorbar=dict(title="% of i's<br>tokens"),
@@ -88,10 +105,15 @@ def entropy_figure(entropies: Mapping[str, torch.Tensor], maxima: Mapping[str, f
     in nats (``routing.router_entropy``), divided by ``maxima[name]`` (ln E for the scores, ln k for the weights).
     1 means no preference at all. Boxes span the quartiles, whiskers the 1st and 99th percentiles (the statistics
     are computed here, so the figure stays small however many tokens there are)."""
+    series_of(entropies, "entropies")
     fig = go.Figure()
     x = [str(layer) for layer in layers]
     for (name, h), color in zip(entropies.items(), _QUALITATIVE, strict=False):
-        share = array(h).reshape(len(layers), -1) / maxima[name]
+        h = data(h, f"entropies[{name!r}]")
+        same_length(h, layers, f"entropies[{name!r}]", "layers")
+        if name not in maxima or not maxima[name] > 0:
+            raise ValueError(f"maxima[{name!r}] must be the entropy's maximum (> 0), got {maxima.get(name)!r}")
+        share = h.reshape(len(layers), -1) / maxima[name]
         low, q1, median, q3, high = np.percentile(share, [1, 25, 50, 75, 99], axis=1)
         fig.add_trace(go.Box(x=x, q1=q1, median=median, q3=q3, lowerfence=low, upperfence=high, name=name,
                              marker_color=color))

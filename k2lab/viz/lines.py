@@ -8,7 +8,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from .style import LOG_AXIS, array, finish
+from .style import LOG_AXIS, array, data, finish, same_length, series_of
 
 
 def lines_figure(x: Sequence[float], panels: Mapping[str, Mapping[str, torch.Tensor | Sequence[float]]],
@@ -17,6 +17,11 @@ def lines_figure(x: Sequence[float], panels: Mapping[str, Mapping[str, torch.Ten
     """Lines against a shared x, one panel per quantity: ``panels = {"KV cache (GiB)": {"latent": [...], ...}}``
     (with one panel its name titles the y axis). A series keeps its colour (``colors[name]``) and one legend entry
     across panels."""
+    series_of(panels, "panels")
+    for panel, series in panels.items():
+        series_of(series, f"panels[{panel!r}]")
+        for name, values in series.items():
+            same_length(data(values, f"panels[{panel!r}][{name!r}]", 1), x, f"panels[{panel!r}][{name!r}]", "x")
     many = len(panels) > 1
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=list(panels) if many else None,
                         horizontal_spacing=0.09)

@@ -9,7 +9,17 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
-from .style import DIVERGING, LIGHT_SEQUENTIAL, NEGATIVE, POSITIVE, array, finish, show_whitespace, token_labels
+from .style import (
+    DIVERGING,
+    LIGHT_SEQUENTIAL,
+    NEGATIVE,
+    POSITIVE,
+    data,
+    finish,
+    same_length,
+    show_whitespace,
+    token_labels,
+)
 
 
 def logit_lens_figure(probs: torch.Tensor, top_tokens: Sequence[Sequence[str]], row_labels: Sequence[str],
@@ -17,7 +27,10 @@ def logit_lens_figure(probs: torch.Tensor, top_tokens: Sequence[Sequence[str]], 
     """The logit lens as a grid: rows are layers (read through the final norm and head), columns positions (the
     first at ``start``); each cell names the layer's top next-token guess, shaded by its probability.
     ``probs``: [L, T]; ``top_tokens``: L lists of T strings."""
-    p = array(probs)
+    p = data(probs, "probs", 2)
+    same_length(p, row_labels, "probs [L, T]", "row_labels")
+    same_length(p, tokens, "probs [L, T]", "tokens", axis=1)
+    same_length(top_tokens, row_labels, "top_tokens", "row_labels")
     text = [[show_whitespace(t) for t in row] for row in top_tokens]
     fig = go.Figure(go.Heatmap(z=p, x=token_labels(tokens, start), y=list(row_labels), text=text,
                                texttemplate="%{text}", textfont=dict(size=11 if p.shape[1] <= 16 else 9, color="black"),
@@ -45,7 +58,8 @@ def attribution_figure(labels: Sequence[str], values: torch.Tensor, x_title: str
                        title: str = "") -> go.Figure:
     """Horizontal bars, one per component (a layer's attention or MLP, shared or routed part, an expert...),
     blue when it pushes the target up, red when down, in the given order top to bottom."""
-    v = array(values)
+    v = data(values, "values", 1)
+    same_length(v, labels, "values", "labels")
     fig = go.Figure(go.Bar(x=v, y=list(labels), orientation="h", marker_color=np.where(v >= 0, POSITIVE, NEGATIVE),
                            hovertemplate="%{y}: %{x:.3f}<extra></extra>"))
     fig.update_yaxes(autorange="reversed", type="category")
@@ -57,7 +71,9 @@ def effect_heatmap(effect: torch.Tensor, row_labels: Sequence[str], tokens: Sequ
                    colorbar_title: str = "effect", title: str = "") -> go.Figure:
     """An effect per (row, position) on a diverging scale centred on 0: e.g. activation patching, the share of a
     logit difference restored by patching one layer's residual at one position. ``effect``: [rows, T]."""
-    z = array(effect)
+    z = data(effect, "effect", 2)
+    same_length(z, row_labels, "effect [rows, T]", "row_labels")
+    same_length(z, tokens, "effect [rows, T]", "tokens", axis=1)
     bound = float(np.nanmax(np.abs(z))) or 1.0
     fig = go.Figure(go.Heatmap(z=z, x=token_labels(tokens), y=list(row_labels), colorscale=DIVERGING, zmid=0,
                                zmin=-bound, zmax=bound, xgap=1, ygap=1, colorbar=dict(title=colorbar_title),

@@ -8,7 +8,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from .style import BLUE, GREY, LOG_AXIS, ORANGE, array, finish, reference_line
+from .style import BLUE, GREY, LOG_AXIS, ORANGE, array, data, finish, reference_line, same_length
 
 
 def yarn_figure(base_inv_freq: torch.Tensor, scaled_inv_freq: torch.Tensor, ramp: torch.Tensor,
@@ -23,6 +23,11 @@ def yarn_figure(base_inv_freq: torch.Tensor, scaled_inv_freq: torch.Tensor, ramp
 
     ``base_inv_freq``, ``scaled_inv_freq``, ``ramp``: [R/2] (from ``k2lab.model.rope``: inverse_frequencies, yarn_ramp).
     """
+    base_inv_freq = data(base_inv_freq, "base_inv_freq", 1)
+    for name, values in (("scaled_inv_freq", scaled_inv_freq), ("ramp", ramp)):
+        same_length(data(values, name, 1), base_inv_freq, name, "base_inv_freq")
+    if (base_inv_freq <= 0).any() or (array(scaled_inv_freq) <= 0).any():
+        raise ValueError("base_inv_freq and scaled_inv_freq must be positive frequencies")
     pairs = list(range(len(base_inv_freq)))
     base, scaled = 2 * math.pi / array(base_inv_freq), 2 * math.pi / array(scaled_inv_freq)
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.68, 0.32], vertical_spacing=0.08)

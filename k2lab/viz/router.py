@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from .style import BIAS, CHOSEN, NOT_CHOSEN, ORANGE, SEQUENTIAL, array, finish, token_labels
+from .style import BIAS, CHOSEN, NOT_CHOSEN, ORANGE, SEQUENTIAL, array, data, finish, same_length, token_labels
 
 
 def router_token_figure(scores: torch.Tensor, bias: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
@@ -23,6 +23,11 @@ def router_token_figure(scores: torch.Tensor, bias: torch.Tensor, chosen: torch.
     3. the weights of the chosen experts, w = s[idx] / sum s[idx] * routed_scaling_factor: the bias is not in them.
 
     ``scores``, ``bias``, ``logits``: [E]; ``chosen``, ``weights``, ``unbiased``: [k]."""
+    scores, bias = data(scores, "scores", 1), data(bias, "bias", 1)
+    same_length(bias, scores, "bias", "scores")
+    if len(data(chosen, "chosen", 1)) != len(data(weights, "weights", 1)):
+        raise ValueError(f"chosen and weights must both hold the k chosen experts, got {len(chosen)} and "
+                         f"{len(weights)}")
     E = len(scores)
     experts = np.arange(E)
     is_chosen = np.zeros(E, dtype=bool)
@@ -64,7 +69,12 @@ def routing_heatmap(indices: torch.Tensor, weights: torch.Tensor, num_experts: i
                     title: str = "") -> go.Figure:
     """Tokens (rows) against experts (columns) for one layer: the weight each chosen expert got, blank elsewhere.
     ``indices``, ``weights``: [T, k]."""
-    idx = array(indices).astype(int)
+    idx = data(indices, "indices", 2).astype(int)
+    if data(weights, "weights", 2).shape != idx.shape:
+        raise ValueError(f"weights must match indices [T, k] = {list(idx.shape)}, got {list(array(weights).shape)}")
+    if (idx < 0).any() or (idx >= num_experts).any():
+        raise ValueError(f"indices must be expert ids in 0..num_experts - 1 = {num_experts - 1}")
+    same_length(idx, tokens, "indices [T, k]", "tokens")
     dense = np.full((idx.shape[0], num_experts), np.nan)
     np.put_along_axis(dense, idx, array(weights), axis=1)
     labels = token_labels(tokens)
@@ -78,7 +88,9 @@ def routing_heatmap(indices: torch.Tensor, weights: torch.Tensor, num_experts: i
 
 def bias_flip_figure(flip_share: torch.Tensor, layers: Sequence[int], title: str = "") -> go.Figure:
     """Per MoE layer, the share of tokens whose chosen SET the correction bias changed. ``flip_share``: [L_moe]."""
-    fig = go.Figure(go.Bar(x=[str(layer) for layer in layers], y=100 * array(flip_share), marker_color=BIAS,
+    flip_share = data(flip_share, "flip_share", 1)
+    same_length(flip_share, layers, "flip_share", "layers")
+    fig = go.Figure(go.Bar(x=[str(layer) for layer in layers], y=100 * flip_share, marker_color=BIAS,
                            hovertemplate="layer %{x}<br>%{y:.1f}% of tokens<extra></extra>"))
     fig.update_xaxes(title_text="layer", type="category")
     fig.update_yaxes(title_text="tokens whose experts the bias changed (%)", rangemode="tozero")

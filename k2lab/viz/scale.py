@@ -11,6 +11,8 @@ from .style import BLUE, LOG_AXIS, ORANGE, finish
 
 def parameter_figure(rows: Sequence[tuple[str, int, int]], title: str = "") -> go.Figure:
     """Total against per-token active parameters by component, log scale (``ParameterCount.table()`` rows)."""
+    if not rows or not all(len(row) == 3 for row in rows):
+        raise ValueError(f"rows must be (component, total, active) triples (ParameterCount.table()), got {rows!r}")
     names = [name.replace("_", " ") for name, _, _ in rows]
     fig = go.Figure()
     for i, (label, color) in enumerate((("total", BLUE), ("active per token", ORANGE)), start=1):

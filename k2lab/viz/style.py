@@ -35,6 +35,36 @@ def array(x: torch.Tensor | np.ndarray | Sequence) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 
 
+def data(x: torch.Tensor | np.ndarray | Sequence, name: str, ndim: int | None = None) -> np.ndarray:
+    """``array(x)`` for a figure's input ``name``, refusing what cannot be drawn: no values, another number of
+    dimensions than ``ndim``, or something that is not numbers."""
+    try:
+        values = array(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be numbers (a tensor, array or list), got {type(x).__name__}") from None
+    if ndim is not None and values.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension{'s' if ndim > 1 else ''}, got shape {list(values.shape)}")
+    if values.size == 0:
+        raise ValueError(f"{name} is empty (shape {list(values.shape)}): nothing to draw")
+    return values
+
+
+def series_of(series: object, name: str) -> None:
+    """A figure's mapping of named series must hold at least one."""
+    if not hasattr(series, "items"):
+        raise TypeError(f"{name} must be a mapping {{name: values}}, got {type(series).__name__}")
+    if not series:
+        raise ValueError(f"{name} is empty: nothing to draw")
+
+
+def same_length(values: np.ndarray | Sequence, labels: Sequence, values_name: str, labels_name: str,
+                axis: int = 0) -> None:
+    """Labels (tokens, layers) must name every row or column they label."""
+    n = values.shape[axis] if isinstance(values, np.ndarray) else len(values)
+    if len(labels) != n:
+        raise ValueError(f"{labels_name} has {len(labels)} entries but {values_name} has {n} along that axis")
+
+
 def log2_ratio(x: torch.Tensor | np.ndarray) -> np.ndarray:
     """log2 of ratios, clipped to 1/16 .. 16, for colouring with RATIO_TICKS."""
     return np.log2(np.clip(array(x), 1 / 16, 16))

@@ -20,9 +20,12 @@ from .style import (
     RED,
     SEQUENTIAL,
     array,
+    data,
     finish,
     log2_ratio,
     reference_line,
+    same_length,
+    series_of,
 )
 
 
@@ -30,8 +33,11 @@ def loss_figure(steps: Sequence[int], loss: Sequence[float], eval_steps: Sequenc
                 unigram_bpb: float | None = None, title: str = "") -> go.Figure:
     """Left: the training loss per step (nats per token) with a trailing 25-step mean. Right: held-out bits per
     byte at each evaluation, against the token-unigram baseline (dashed)."""
+    raw, window = data(loss, "loss", 1).astype(np.float64), 25
+    same_length(raw, steps, "loss", "steps")
+    if len(eval_steps) != len(eval_bpb):
+        raise ValueError(f"eval_steps has {len(eval_steps)} entries but eval_bpb has {len(eval_bpb)}")
     fig = make_subplots(rows=1, cols=2, subplot_titles=["training loss", "held-out code"], horizontal_spacing=0.1)
-    raw, window = array(loss).astype(np.float64), 25
     total = np.concatenate([[0.0], np.cumsum(raw)])
     start = np.maximum(np.arange(1, len(raw) + 1) - window, 0)
     smooth = (total[1:] - total[start]) / (np.arange(1, len(raw) + 1) - start)  # trailing mean of up to 25 steps
@@ -52,7 +58,8 @@ def loss_figure(steps: Sequence[int], loss: Sequence[float], eval_steps: Sequenc
 def qk_clip_figure(steps: Sequence[int], max_logits: torch.Tensor, tau: float, title: str = "") -> go.Figure:
     """Top: each head's largest pre-softmax logit per step (rows layer.head, ``max_logits`` [S, L, H]), the
     colour scale's top at tau. Bottom: how many heads QK-Clip rescaled (max logit > tau) at each step."""
-    m = array(max_logits)
+    m = data(max_logits, "max_logits", 3)
+    same_length(m, steps, "max_logits [S, L, H]", "steps")
     S, L, H = m.shape
     rows = [f"L{layer}.h{h}" for layer in range(L) for h in range(H)]
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.75, 0.25], vertical_spacing=0.05)
@@ -72,7 +79,9 @@ def expert_time_figure(steps: Sequence[int], values: torch.Tensor, colorbar_titl
                        log2: bool = False, title: str = "") -> go.Figure:
     """One MoE layer over training: experts (rows) against steps, e.g. the correction bias or the relative load.
     ``values``: [S, E]. ``zmid`` centres a diverging scale; ``log2`` colours ratios so 0.5 and 2 look alike."""
-    v = array(values).T
+    v = data(values, "values", 2)
+    same_length(v, steps, "values [S, E]", "steps")
+    v = v.T
     if log2:
         z, kwargs = log2_ratio(v), dict(colorscale=DIVERGING, zmid=0, zmin=-4, zmax=4,
                                           colorbar=dict(title=colorbar_title, **RATIO_TICKS))
@@ -95,9 +104,11 @@ def expert_time_figure(steps: Sequence[int], values: torch.Tensor, colorbar_titl
 def singular_values_figure(series: Mapping[str, torch.Tensor], title: str = "") -> go.Figure:
     """Singular values, largest first, of matrices that share a shape: a gradient, Muon's Newton-Schulz update,
     the exact U V^T. Muon keeps the directions and sets the magnitudes near one."""
+    series_of(series, "series")
     fig = go.Figure()
     for (name, sv), color in zip(series.items(), (GREY, BLUE, ORANGE, RED), strict=False):
-        fig.add_trace(go.Scatter(y=array(sv), name=name, mode="lines+markers", line=dict(color=color)))
+        fig.add_trace(go.Scatter(y=data(sv, f"series[{name!r}]", 1), name=name, mode="lines+markers",
+                                 line=dict(color=color)))
     fig.update_xaxes(title_text="index (largest first)")
     fig.update_yaxes(title_text="singular value", **LOG_AXIS)
     return finish(fig, title or "Singular values of one update", height=400)

@@ -107,6 +107,7 @@ def router_explorer(tr: RoutingTrace, tokens: Sequence[str], logits: torch.Tenso
                     row: int = 0) -> Explorer:
     """Pick a layer and a token: its router stages (``router_token_figure``). ``logits``: [L_moe, B, T, E] from the
     ``gate.hook_logits`` probes (optional)."""
+    _check_trace(tr, tokens, row)
     layer = widgets.Dropdown(options=tr.layers, value=tr.layers[0], description="layer")
     position = widgets.IntSlider(value=len(tokens) - 1, min=0, max=len(tokens) - 1, description="token",
                                  continuous_update=False)
@@ -125,6 +126,7 @@ def router_explorer(tr: RoutingTrace, tokens: Sequence[str], logits: torch.Tenso
 
 def routing_explorer(tr: RoutingTrace, tokens: Sequence[str], row: int = 0) -> Explorer:
     """Pick a layer: every token's chosen experts and weights (``routing_heatmap``)."""
+    _check_trace(tr, tokens, row)
     layer = widgets.Dropdown(options=tr.layers, value=tr.layers[0], description="layer")
     E = tr.scores.shape[-1]
 
@@ -138,10 +140,26 @@ def routing_explorer(tr: RoutingTrace, tokens: Sequence[str], row: int = 0) -> E
 def attention_explorer(patterns: torch.Tensor, tokens: Sequence[str], layers: Sequence[int] | None = None
                        ) -> Explorer:
     """Pick a layer: all its heads' patterns. ``patterns``: [L, H, T, S] (one batch row of ``hook_pattern``)."""
+    patterns = torch.as_tensor(patterns)
+    if patterns.dim() != 4 or patterns.numel() == 0:
+        raise ValueError(f"patterns must be [L, H, T, S] with something in it, got shape {list(patterns.shape)}")
     names = list(layers) if layers is not None else list(range(patterns.shape[0]))
+    if len(names) != patterns.shape[0]:
+        raise ValueError(f"layers has {len(names)} entries but patterns has {patterns.shape[0]} layers")
     layer = widgets.Dropdown(options=names, value=names[0], description="layer")
 
     def render(layer: int) -> go.Figure:
         return pattern_figure(patterns[names.index(layer)], tokens, title=f"Attention patterns, layer {layer}")
 
     return Explorer({"layer": layer}, render)
+
+
+def _check_trace(tr: RoutingTrace, tokens: Sequence[str], row: int) -> None:
+    """A trace with MoE layers and tokens, one token label per position, and ``row`` one of its batch rows."""
+    if not tr.layers or tr.indices.numel() == 0:
+        raise ValueError("the routing trace is empty (no MoE layer or no tokens): nothing to explore")
+    B, T = tr.indices.shape[1:3]
+    if len(tokens) != T:
+        raise ValueError(f"tokens has {len(tokens)} entries but the trace has {T} positions")
+    if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < B:
+        raise ValueError(f"row must be a batch row of the trace, 0..{B - 1}, got {row!r}")

@@ -14,10 +14,12 @@ Each step can fail before the next begins, and nothing is returned until the las
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import LocalEntryNotFoundError
 from tqdm.auto import tqdm
 
 from ..config import K2Config
@@ -27,7 +29,7 @@ from . import hub
 from .hf_config import read_config
 from .placement import DeviceMap, resolve_device_map, unit_of
 from .quant import UNQUANTIZED, QuantFormat
-from .reader import DTYPES, Checkpoint, StoredWeight, is_mtp_tensor
+from .reader import DTYPES, Checkpoint, CheckpointError, StoredWeight, is_mtp_tensor
 from .schema import EXPERT_PROJS, EXPERT_TENSOR, expert_tensor
 from .streaming import ExpertCache, StreamedExperts
 
@@ -64,8 +66,15 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
     Raises naming the file and tensor: a missing shard, a tensor absent from the index, a shape that disagrees
     with config.json, a corrupt or truncated file, an unsupported dtype or quantization.
     """
+    if not isinstance(path_or_repo_id, (str, os.PathLike)) or not str(path_or_repo_id):
+        raise TypeError(f"path_or_repo_id must be a checkpoint folder or a Hub repo id, got {path_or_repo_id!r}")
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)):
         raise ValueError(f"num_layers must be an integer, got {num_layers!r}")
+    dtype = _resolve_dtype(dtype)
+    if expert_budget_bytes is not None and (isinstance(expert_budget_bytes, bool)
+                                            or not isinstance(expert_budget_bytes, int) or expert_budget_bytes < 0):
+        raise ValueError(f"expert_budget_bytes must be a whole number of bytes >= 0 (e.g. 2**30 for 1 GiB) or None, "
+                         f"got {expert_budget_bytes!r}")
     if fp8_resident is not None and quantized_resident is not None and fp8_resident != quantized_resident:
         raise ValueError(f"fp8_resident={fp8_resident} contradicts quantized_resident={quantized_resident}; "
                          "give one (fp8_resident is the earlier name)")
@@ -115,6 +124,15 @@ def _tokenizer_in(folder: Path):
     return None
 
 
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A floating dtype, given as a torch.dtype or by name ("bfloat16", "torch.float32")."""
+    named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if dtype is not None and not (isinstance(named, torch.dtype) and named.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch dtype or its name (torch.bfloat16, 'float32', ...), "
+                         f"got {dtype!r}")
+    return named
+
+
 def slice_layers(cfg: K2Config, num_layers: int | None) -> K2Config:
     """The first ``num_layers`` blocks of ``cfg`` (all when None)."""
     if num_layers is None:
@@ -132,7 +150,11 @@ def _source_folder(path_or_repo_id: str | Path, revision: str | None, num_layers
         return local
     if isinstance(path_or_repo_id, Path) or not hub.is_repo_id(path_or_repo_id):
         raise FileNotFoundError(f"{path_or_repo_id} is neither a checkpoint folder nor a Hub repo id")
-    config = hub.fetch_file(path_or_repo_id, "config.json", revision)
+    try:
+        config = hub.fetch_file(path_or_repo_id, "config.json", revision)
+    except LocalEntryNotFoundError:
+        raise FileNotFoundError(f"{path_or_repo_id}: no such folder, and not in the Hub cache (offline, or the Hub "
+                                f"could not be reached)") from None
     if config is None:
         raise FileNotFoundError(f"Hub repo {path_or_repo_id} has no config.json")
     cfg = slice_layers(read_config(config)[0], num_layers)
@@ -150,6 +172,11 @@ class _Assembly:
     devices: dict[str, torch.device]  # placement unit -> device
     dtype: torch.dtype | None
     resident: bool | None  # keep quantized matrices as stored (None: on GPUs)
+
+    def __post_init__(self) -> None:
+        # Streamed experts are read long after the load: a file changed since would give other weights silently.
+        files = {part.file for weight in self.weights.values() for part in weight.parts}
+        self.file_stamps = {f: _stamp(f) for f in files}
 
     def held_format(self, name: str) -> QuantFormat:
         """The format checkpoint tensor ``name`` is held in: the checkpoint's, for a quantized matrix on a device that
@@ -221,9 +248,25 @@ class _Assembly:
                 bar.update(self.weights[name].nbytes)
         return state
 
+    def _check_unchanged(self, file: Path) -> None:
+        if _stamp(file) != self.file_stamps[file]:
+            raise CheckpointError(f"{file} changed on disk since the model was loaded (size or modification time); "
+                                  "its streamed experts can no longer be read: load the model again")
+
     def fetch_expert(self, layer: int, expert: int) -> tuple[tuple[torch.Tensor, ...], int]:
         """One routed expert for the cache: (gate, up, down), or their stored tensors in turn (FP8: gate's values and
         scales, up's, down's); and the bytes read."""
         names = [expert_tensor(layer, expert, p) for p in EXPERT_PROJS]
+        for part in (part for name in names for part in self.weights[name].parts):
+            self._check_unchanged(part.file)
         tensors = tuple(t for name in names for t in self.held(name).values())
         return tensors, sum(self.weights[name].nbytes for name in names)
+
+
+def _stamp(file: Path) -> tuple[int, int] | None:
+    """A file's size and modification time, None if it is gone."""
+    try:
+        stat = file.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_size, stat.st_mtime_ns

@@ -203,9 +203,16 @@ class Checkpoint:
         """The stored tensors of ``weight`` that a module holds (all but checked-only ones such as INT4's
         ``weight_shape``, whose values are checked here), read as stored."""
         held = []
-        for info, part in zip(weight.parts, weight.layout, strict=True):
+        for i, (info, part) in enumerate(zip(weight.parts, weight.layout, strict=True)):
             if part.held is not None:
-                held.append(self.read(info, device))
+                tensor = self.read(info, device)
+                # A quantized matrix's scales (every float part after its values) are checked as they are read: a
+                # NaN or infinite scale would make every logit NaN with nothing to say where it came from.
+                if i > 0 and tensor.is_floating_point() and not tensor.is_meta and not tensor.isfinite().all():
+                    bad = int((~tensor.isfinite()).sum())
+                    raise CheckpointError(f"{info.file}: {info.name} holds non-finite block scales ({bad} of "
+                                          f"{tensor.numel()} are NaN or infinite)")
+                held.append(tensor)
             elif torch.device(device).type != "meta":  # (a meta stage reads nothing: another process checks it)
                 tensor = self.read(info)
                 try:

@@ -14,6 +14,10 @@ written with one expert in memory at a time.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -27,6 +31,7 @@ from .quant import QuantFormat, resolve_format
 from .reader import DTYPE_NAMES, INDEX_FILE
 from .schema import TensorSpec, checkpoint_tensors
 
+_SHARD = re.compile(r"model(-\d+-of-\d+)?\.safetensors")  # a shard name, replaced by a new write
 # A tensor for a spec: a float tensor (quantized here if the format quantizes the spec), or the format's stored
 # tensors already made (FP8: e4m3 values and scale_inv).
 TensorSource = Callable[[TensorSpec], torch.Tensor | tuple[torch.Tensor, ...]]
@@ -41,10 +46,97 @@ def write_checkpoint(folder: str | Path, cfg: K2Config, source: TensorSource, *,
     ``"int4"``, ``"unquantized"``): how matrices are stored; without it, ``fp8`` chooses the release's e4m3 matrices
     in 128x128 blocks, or every matrix in ``dtype``. ``extra``: more tensors for the first shard, as given (tests add
     the stale ``rotary_emb.inv_freq`` some checkpoints carry).
+
+    Nothing is half-written: the arguments are checked before the first byte, the files go into a temporary
+    sibling folder, and only a complete checkpoint replaces ``folder`` (its other files, such as a tokenizer, are
+    kept). On any failure ``folder`` is as it was. A folder that cannot be swapped (a mount point, or in a parent
+    that cannot be written) gets the temporary folder inside it instead, and the finished files are renamed into
+    place one by one.
     """
-    fmt = resolve_format(format, fp8)
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    fmt = resolve_format(format, fp8)
+    _check_write_args(folder, cfg, source, num_shards, dtype, extra)
+    swap = not (folder.is_dir() and (os.path.ismount(folder) or not os.access(folder.parent, os.W_OK)))
+    tag = f"writing-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging = folder.with_name(f".{folder.name}.{tag}") if swap else folder / f".{tag}"
+    try:
+        staging.mkdir()
+    except OSError as error:
+        raise PermissionError(f"folder {folder}: cannot write there or beside it ({error})") from None
+    try:
+        _write_files(staging, cfg, source, num_shards=num_shards, fmt=fmt, dtype=dtype, extra=extra,
+                     progress=progress)
+        (_replace_folder if swap else _replace_files)(folder, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def _check_write_args(folder: Path, cfg: K2Config, source: TensorSource, num_shards: int, dtype: torch.dtype,
+                      extra: Mapping[str, torch.Tensor] | None) -> None:
+    """Everything about a write that can be known before it starts; the parent folder is made if missing."""
+    if not isinstance(cfg, K2Config):
+        raise TypeError(f"cfg must be a K2Config, got {type(cfg).__name__}")
+    if not callable(source):
+        raise TypeError(f"source must be a function of a TensorSpec, got {type(source).__name__}")
+    units = len(dict.fromkeys(_shard_unit(s.name) for s in checkpoint_tensors(cfg)))
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not 1 <= num_shards <= units:
+        raise ValueError(f"num_shards must be an integer in 1..{units} (whole blocks per shard), got {num_shards!r}")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of the safetensors dtypes {sorted(map(str, DTYPE_NAMES))}, got {dtype!r}")
+    for name, tensor in (extra or {}).items():
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_NAMES:
+            raise TypeError(f"extra[{name!r}] must be a tensor of a safetensors dtype, got {type(tensor).__name__}")
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"folder {folder} exists and is not a folder")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OSError(f"folder {folder}: cannot make its parent folder ({error})") from None
+
+
+def _replace_folder(folder: Path, staging: Path) -> None:
+    """Put the complete ``staging`` folder in place of ``folder``. What ``folder`` holds besides a checkpoint (a
+    tokenizer, a log) moves over by renaming; its old shards, index and config go."""
+    if not folder.exists():
+        staging.rename(folder)
+        return
+    replaced = ("config.json", INDEX_FILE, *(p.name for p in staging.iterdir()))
+    kept = [old for old in folder.iterdir() if not (old.name in replaced or _SHARD.fullmatch(old.name))]
+    retired = staging.with_name(staging.name.replace(".writing-", ".replaced-"))
+    moved = []
+    try:
+        for old in kept:
+            old.rename(staging / old.name)
+            moved.append(old)
+        folder.rename(retired)
+        staging.rename(folder)
+    except BaseException:  # put back what moved: folder is as it was
+        if retired.exists():
+            retired.rename(folder)
+        for old in moved:
+            (staging / old.name).rename(old)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _replace_files(folder: Path, staging: Path) -> None:
+    """Move the complete checkpoint in ``staging`` (inside ``folder``) into ``folder`` file by file, each rename
+    atomic: shards first, then the index and config.json that name them; old shards no longer named go."""
+    old_shards = [p for p in folder.iterdir() if _SHARD.fullmatch(p.name)]
+    written = sorted(staging.iterdir(), key=lambda p: (p.name == INDEX_FILE, p.name == "config.json", p.name))
+    for new in written:
+        os.replace(new, folder / new.name)
+    names = {p.name for p in written}
+    for old in old_shards:
+        if old.name not in names:
+            old.unlink()
+    staging.rmdir()
+
+
+def _write_files(folder: Path, cfg: K2Config, source: TensorSource, *, num_shards: int, fmt: QuantFormat,
+                 dtype: torch.dtype, extra: Mapping[str, torch.Tensor] | None, progress: bool) -> None:
     (folder / "config.json").write_text(json.dumps(config_to_hf(cfg, fmt), indent=2))
 
     specs = checkpoint_tensors(cfg)
@@ -72,7 +164,6 @@ def write_checkpoint(folder: str | Path, cfg: K2Config, source: TensorSource, *,
     bar.close()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    return folder
 
 
 def _shard_unit(name: str) -> str:
