@@ -4,6 +4,7 @@ whole blocks, the rest of the model on the meta device (shapes, no data, never r
     # torchrun --nproc-per-node 8 script.py; every rank runs the same script with the same ids
     pm = PipelinedK2("moonshotai/Kimi-K2-Instruct")       # the same plan on every rank; each loads its stage
     logits = pm(ids)                                       # float32 [B, T, V] on every rank
+    logits = pm(ids, attention_mask=mask)                  # a padded batch, as K2Model takes it
     logits, cache = pm.run_with_cache(ids)                 # every probe, gathered to every rank
     with k2lab.interventions.ablate_experts(pm, {3: [17]}):   # a hook goes to the rank that owns its probe
         logits = pm(ids)
@@ -26,7 +27,6 @@ the process group's timeout (``init(timeout=)``); errors while reading the confi
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -42,7 +42,7 @@ from ..config import K2Config
 from ..model.attention import AttnImpl, LatentCache
 from ..model.generate import generate
 from ..model.hooks import HookPoint, Hooks, NameFilter
-from ..model.transformer import DecoderLayer, K2Model
+from ..model.transformer import K2Model, check_attention_mask, rotary_and_mask
 from ..weights import hub
 from ..weights.hf_config import read_config
 from ..weights.load import load, slice_layers
@@ -214,49 +214,49 @@ class PipelinedK2:
 
     # ---- the forward -------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 cache: LatentCache | None = None, attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
-        """input_ids [B, T] -> float32 logits [B, T, V] on every rank (``K2Model.forward``'s semantics; a
-        ``cache`` from ``pm.new_cache`` continues from its length)."""
-        block_kwargs = self._block_kwargs(attention_mask)
+    def __call__(self, input_ids: torch.Tensor, cache: LatentCache | None = None, attn_impl: AttnImpl = "absorbed",
+                 *, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> float32 logits [B, T, V] on every rank, with ``K2Model.forward``'s semantics: a
+        ``cache`` from ``pm.new_cache`` continues from its length; ``attention_mask`` [B, T] (1 = token, 0 = pad)
+        hides the pads and gives them no position."""
         ids = self.model._check_input(input_ids, cache)  # the same checks on every rank; on meta but on rank 0
-        logits = self._stage_forward(ids, cache, attn_impl, block_kwargs)  # the last rank's only
+        mask = check_attention_mask(attention_mask, *ids.shape) if attention_mask is not None else None
+        logits = self._stage_forward(ids, mask, cache, attn_impl)  # the last rank's only
         if not self.is_last:
             logits = torch.empty(*ids.shape, self.config.vocab_size, dtype=torch.float32, device=self.device)
         self._broadcast(logits, src=self.last)
         return logits
 
-    def _block_kwargs(self, attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """The mask goes to every block if the blocks take one."""
-        if attention_mask is None:
-            return {}
-        if "attention_mask" not in inspect.signature(DecoderLayer.forward).parameters:
-            raise NotImplementedError("attention_mask: k2lab's blocks (DecoderLayer.forward) take no attention mask "
-                                      "in this version, so the pipeline cannot apply one; pass unpadded rows")
-        return {"attention_mask": torch.as_tensor(attention_mask).to(self.device)}
-
-    def _stage_forward(self, ids: torch.Tensor, cache: LatentCache | None, attn_impl: AttnImpl,
-                       block_kwargs: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    def _stage_forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: LatentCache | None,
+                       attn_impl: AttnImpl) -> torch.Tensor | None:
         """This rank's part of one forward of checked ids [B, T] (read on rank 0 only, their shape elsewhere):
-        the logits [B, T, V] on the last rank, None elsewhere."""
+        the logits [B, T, V] on the last rank, None elsewhere. Every rank builds the rotary table and the mask from
+        ``attention_mask`` [B, T] bool and its own cache, as ``K2Model`` does."""
         m = self.model
-        B, T = ids.shape
-        start = cache.length if cache is not None else 0
-        cos, sin = m.rotary_emb.cos_sin(torch.arange(start, start + T, device=self.device))  # [T, R] each
-        if self.rank == 0:
-            x = m.embed_tokens.hook_out(m.embed_tokens(ids.to(self.device)))  # [B, T, D]
-        else:
-            x = torch.empty(B, T, self.config.hidden_size, dtype=self.dtype, device=self.device)
-            dist.recv(x, src=self.rank - 1)  # the residual after the previous stage's blocks
-        for i in self.blocks:
-            x = m.layers[i](x, m.rotary_emb, cos, sin, cache, attn_impl, **block_kwargs)
-        if cache is not None:
-            cache.advance(T)
-        if not self.is_last:
-            dist.send(x.contiguous(), dst=self.rank + 1)
-            self.bytes_sent += x.nelement() * x.element_size()
-            return None
-        return m.hook_logits(m.lm_head(m.norm.hook_out(m.norm(x))).float())  # [B, T, V]
+        if m._running:
+            raise RuntimeError("the pipeline was called from a hook while its own forward is running: this would "
+                               "recurse without end and mix up the messages between ranks. Record what you need "
+                               "first (run_with_cache), then run the edited forward")
+        m._running = True  # the model's own guard, so a hook calling pm.model(...) is refused as well
+        try:
+            B, T = ids.shape
+            cos, sin, attn_mask = rotary_and_mask(m.rotary_emb, attention_mask, cache, B, T, self.device)
+            if self.rank == 0:
+                x = m.embed_tokens.hook_out(m.embed_tokens(ids.to(self.device)))  # [B, T, D]
+            else:
+                x = torch.empty(B, T, self.config.hidden_size, dtype=self.dtype, device=self.device)
+                dist.recv(x, src=self.rank - 1)  # the residual after the previous stage's blocks
+            for i in self.blocks:
+                x = m.layers[i](x, m.rotary_emb, cos, sin, cache, attn_impl, attn_mask)
+            if cache is not None:
+                cache.advance(T)
+            if not self.is_last:
+                dist.send(x.contiguous(), dst=self.rank + 1)
+                self.bytes_sent += x.nelement() * x.element_size()
+                return None
+            return m.hook_logits(m.lm_head(m.norm.hook_out(m.norm(x))).float())  # [B, T, V]
+        finally:
+            m._running = False
 
     # ---- probes ------------------------------------------------------------------------------------------------------
     def owns(self, probe: str) -> bool:
@@ -273,11 +273,17 @@ class PipelinedK2:
         return self.model.hook_point(name)
 
     @contextmanager
-    def hooks(self, fwd_hooks: Hooks = ()) -> Iterator[None]:
-        """``K2Model.hooks`` by global probe name or predicate: each hook is attached on the rank owning its probe
-        (a name that matches no probe raises on every rank)."""
-        owned = [(name, fn) for selector, fn in fwd_hooks
-                 for name in self.model.select_hook_names(selector) if self.owns(name)]
+    def hooks(self, fwd_hooks: Hooks = (), bwd_hooks: Hooks = ()) -> Iterator[None]:
+        """``K2Model.hooks`` with its selectors over global probe names: each hook is attached on the rank owning
+        its probe (a selector that matches no probe raises on every rank). The pipeline runs forward only, so
+        ``bwd_hooks`` are refused."""
+        _refuse_backward("bwd_hooks", bool(list(bwd_hooks)))
+        owned = []
+        for pair in fwd_hooks:
+            if not (isinstance(pair, tuple | list) and len(pair) == 2):
+                raise ValueError(f"fwd_hooks takes (selector, fn) pairs with fn(tensor, hook); got {pair!r}")
+            selector, fn = pair
+            owned.append(([name for name in self.model.select_hook_names(selector) if self.owns(name)], fn))
         with self.model.hooks(fwd_hooks=owned):
             yield
 
@@ -285,17 +291,24 @@ class PipelinedK2:
         self.model.reset_hooks()
 
     def run_with_cache(self, input_ids: torch.Tensor, names: NameFilter = None,
-                       device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                       device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
+                       names_filter: NameFilter = None, incl_bwd: bool = False,
                        **forward_kwargs) -> tuple[torch.Tensor, ActivationCache]:
-        """``K2Model.run_with_cache`` over the pipeline: each rank records its own probes, then every rank receives
-        all of them (on ``device``, default this rank's), in firing order."""
+        """``K2Model.run_with_cache`` over the pipeline (the same selectors; ``forward_kwargs`` as for ``pm(...)``):
+        each rank records its own probes, then every rank receives all of them (on ``device``, default this
+        rank's), in firing order. ``incl_bwd`` is refused: the pipeline runs forward only."""
+        _refuse_backward("incl_bwd", incl_bwd)
+        if names_filter is not None:
+            if names is not None:
+                raise ValueError("give names= or names_filter= (two spellings of the same selector), not both")
+            names = names_filter
         store: dict[str, torch.Tensor] = {}
 
         def record(tensor: torch.Tensor, hook: HookPoint) -> None:
             store[hook.name] = tensor.detach().to("cpu", copy=True)  # compact host copies, gathered by pickling
 
         selected = [name for name in self.select_hook_names(names) if self.owns(name)]
-        with self.model.hooks(fwd_hooks=[(name, record) for name in selected]):
+        with self.model.hooks(fwd_hooks=[(selected, record)]):
             logits = self(input_ids, **forward_kwargs)
         self.bytes_sent += sum(t.nelement() * t.element_size() for t in store.values()) * (self.world_size - 1)
         target = torch.device(device) if device is not None else self.device
@@ -306,11 +319,12 @@ class PipelinedK2:
     # ---- decoding ----------------------------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
         """``k2lab.generate`` through the pipeline, with its options (temperature, top_k, top_p, seed, eos_token_id,
-        attn_impl, tokenizer, token_healing) -> [B, T + n] on every rank.
+        attn_impl, tokenizer, token_healing, attention_mask) -> [B, T + n] on every rank.
 
         It runs on the last rank, where the logits are, so sampling happens once; before each step the last rank
-        broadcasts that step's ids [B, T] (int64), and the other ranks run their stages on them with their own
-        latent caches. Per generated token the ranks exchange (S - 1) residuals [B, 1, D] plus those ids."""
+        broadcasts that step's ids [B, T] (int64), and at a padded prefill its mask [B, T] (uint8); the other ranks
+        run their stages on them with their own latent caches (which remember the pads). Per generated token the
+        ranks exchange (S - 1) residuals [B, 1, D] plus those ids."""
         if self.is_last:
             try:
                 out = generate(_LastStage(self), input_ids, max_new_tokens, **options)
@@ -329,12 +343,15 @@ class PipelinedK2:
         return out
 
     def _tell(self, kind: int, ids: torch.Tensor | None = None, attn_impl: AttnImpl = "absorbed",
-              message: str = "") -> None:
-        """From the last rank: what comes next in generate (a step's ids, the end, or an error)."""
+              attention_mask: torch.Tensor | None = None, message: str = "") -> None:
+        """From the last rank: what comes next in generate (a step's ids and mask, the end, or an error)."""
         B, T = ids.shape if ids is not None else (0, 0)
-        self._broadcast(torch.tensor([kind, B, T, _ATTN_IMPLS.index(attn_impl)], device=self.device), src=self.last)
+        header = [kind, B, T, _ATTN_IMPLS.index(attn_impl), attention_mask is not None]
+        self._broadcast(torch.tensor(header, dtype=torch.int64, device=self.device), src=self.last)
         if kind == _STEP:
             self._broadcast(ids.to(self.device, torch.int64).contiguous(), src=self.last)
+            if attention_mask is not None:
+                self._broadcast(attention_mask.to(self.device, torch.uint8).contiguous(), src=self.last)
         elif kind == _ERROR:
             dist.broadcast_object_list([message], src=self.last)
 
@@ -342,9 +359,9 @@ class PipelinedK2:
         """On the other ranks: run this stage on each step's ids until the last rank says stop."""
         cache = None
         while True:
-            header = torch.empty(4, dtype=torch.int64, device=self.device)
+            header = torch.empty(5, dtype=torch.int64, device=self.device)
             self._broadcast(header, src=self.last)
-            kind, B, T, impl = header.tolist()
+            kind, B, T, impl, masked = header.tolist()
             if kind == _STOP:
                 return
             if kind == _ERROR:
@@ -353,8 +370,12 @@ class PipelinedK2:
                 raise RuntimeError(f"generate failed on rank {self.last}: {message[0]}")
             ids = torch.empty(B, T, dtype=torch.int64, device=self.device)
             self._broadcast(ids, src=self.last)
+            mask = None
+            if masked:
+                mask = torch.empty(B, T, dtype=torch.uint8, device=self.device)
+                self._broadcast(mask, src=self.last)
             cache = cache if cache is not None else self.new_cache(B)
-            self._stage_forward(ids, cache, _ATTN_IMPLS[impl], {})
+            self._stage_forward(ids, None if mask is None else mask.bool(), cache, _ATTN_IMPLS[impl])
 
     # ---- communication -----------------------------------------------------------------------------------------------
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
@@ -391,6 +412,12 @@ class PipelinedK2:
                 self._broadcast(tensor, src=self.last)
 
 
+def _refuse_backward(argument: str, asked: bool) -> None:
+    if asked:
+        raise NotImplementedError(f"{argument}: PipelinedK2 runs forward only (no backward pass across ranks); "
+                                  "take gradients from the model loaded in one process (k2lab.load)")
+
+
 class _LastStage:
     """What ``k2lab.generate`` drives on the last rank: a model whose call first sends the step's ids to the other
     ranks, then runs the pipeline and returns the logits, which stay here."""
@@ -401,8 +428,10 @@ class _LastStage:
     def new_cache(self, batch_size: int) -> LatentCache:
         return self.pm.new_cache(batch_size)
 
-    def __call__(self, ids: torch.Tensor, cache: LatentCache, attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, cache: LatentCache, attn_impl: AttnImpl = "absorbed", *,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         self.pm.model._check_input(ids, cache)  # a bad step fails here, before the other ranks are told of it
         ids = torch.as_tensor(ids)
-        self.pm._tell(_STEP, ids, attn_impl)
-        return self.pm._stage_forward(ids, cache, attn_impl, {})
+        mask = check_attention_mask(attention_mask, *ids.shape) if attention_mask is not None else None
+        self.pm._tell(_STEP, ids, attn_impl, mask)
+        return self.pm._stage_forward(ids, mask, cache, attn_impl)

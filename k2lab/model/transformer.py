@@ -191,18 +191,7 @@ class K2Model(HookedModule):
     def _hidden(self, input_ids: torch.Tensor, cache: LatentCache | None, attn_impl: AttnImpl,
                 attention_mask: torch.Tensor | None) -> torch.Tensor:
         ids = self._check_input(input_ids, cache)
-        B, T = ids.shape
-        start = cache.length if cache is not None else 0
-        keys = self._key_mask(attention_mask, cache, B, T, ids.device)  # [B, S] bool, None: no pads anywhere
-        if keys is None:
-            positions = torch.arange(start, start + T, device=ids.device)  # [T]
-            cos, sin = self.rotary_emb.cos_sin(positions)  # [T, R] each, shared by every row and layer
-            attn_mask = None
-        else:
-            # Pads take no position: a token's position counts the real tokens before it in its row.
-            positions = (keys.cumsum(-1) - 1).clamp(min=0)[:, start:]  # [B, T]
-            cos, sin = (t.view(B, T, -1) for t in self.rotary_emb.cos_sin(positions.flatten()))  # [B, T, R]
-            attn_mask = padded_causal_mask(keys, T)  # [B, 1, T, S]
+        cos, sin, attn_mask = rotary_and_mask(self.rotary_emb, attention_mask, cache, *ids.shape, ids.device)
         x = self.embed_tokens.hook_out(self.embed_tokens(ids))  # [B, T, D]
         for layer in self.layers:
             # With a device_map, blocks live on several devices: the residual (and the rotary table) follow them.
@@ -210,19 +199,8 @@ class K2Model(HookedModule):
             mask = attn_mask.to(device) if attn_mask is not None else None
             x = layer(x.to(device), self.rotary_emb, cos.to(device), sin.to(device), cache, attn_impl, mask)
         if cache is not None:
-            cache.advance(T)
+            cache.advance(ids.shape[1])
         return self.norm.hook_out(self.norm(x.to(self.norm.weight.device)))  # [B, T, D]
-
-    def _key_mask(self, attention_mask: torch.Tensor | None, cache: LatentCache | None, B: int, T: int,
-                  device: torch.device) -> torch.Tensor | None:
-        """[B, S] bool: which key positions (cached, then new) hold real tokens; None when none is a pad."""
-        if attention_mask is None and (cache is None or cache.token_mask is None):
-            return None
-        if attention_mask is None:  # decoding after a padded prefill: the new tokens are real
-            new = torch.ones(B, T, dtype=torch.bool, device=device)
-        else:
-            new = check_attention_mask(attention_mask, B, T).to(device)
-        return cache.key_mask(new) if cache is not None else new
 
     # ---- text -------------------------------------------------------------------------------------------------------
     def _require_tokenizer(self, what: str) -> K2Tokenizer:
@@ -326,6 +304,29 @@ class K2Model(HookedModule):
             raise ValueError(f"cache holds {len(cache._buffers)} layers of {cache.width} {cache.dtype} values per "
                              f"token, but this model needs {layers} layers of {width} {self.dtype}: another model "
                              f"made it; use model.new_cache(batch_size)")
+
+
+def rotary_and_mask(rope: RotaryEmbedding, attention_mask: torch.Tensor | None, cache: LatentCache | None,
+                    B: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What every block of one forward of T new tokens shares: the rotary cos and sin ([T, R] each; [B, T, R]
+    with pads) and the attention mask ([B, 1, T, S] bool; None when no key is a pad). The new tokens' mask is
+    recorded in the ``cache``, which also remembers the pads of earlier steps. Also called by each pipeline stage
+    (``k2lab.distributed``) on its own cache, so every rank builds the same positions and mask."""
+    start = cache.length if cache is not None else 0
+    keys = None  # [B, S] bool: which key positions (cached, then new) hold real tokens; None: no pads anywhere
+    if attention_mask is not None or (cache is not None and cache.token_mask is not None):
+        if attention_mask is None:  # decoding after a padded prefill: the new tokens are real
+            new = torch.ones(B, T, dtype=torch.bool, device=device)
+        else:
+            new = check_attention_mask(attention_mask, B, T).to(device)
+        keys = cache.key_mask(new) if cache is not None else new
+    if keys is None:
+        cos, sin = rope.cos_sin(torch.arange(start, start + T, device=device))  # [T, R] each, shared by every row
+        return cos, sin, None
+    # Pads take no position: a token's position counts the real tokens before it in its row.
+    positions = (keys.cumsum(-1) - 1).clamp(min=0)[:, start:]  # [B, T]
+    cos, sin = (t.view(B, T, -1) for t in rope.cos_sin(positions.flatten()))  # [B, T, R] each
+    return cos, sin, padded_causal_mask(keys, T)  # [B, 1, T, S]
 
 
 def check_attention_mask(attention_mask: torch.Tensor, B: int, T: int) -> torch.Tensor:

@@ -40,6 +40,13 @@ def token_ids() -> torch.Tensor:
     return torch.randint(0, CONFIG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
+def left_padding() -> torch.Tensor:
+    """The attention mask [2, 9] of a left-padded batch over ``token_ids()``: row 0 has 3 pads, row 1 none."""
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    return mask
+
+
 @torch.no_grad()
 def write_mini_checkpoint(folder: Path, seed: int = 0) -> Path:
     """Random weights that expose bugs (norms far from one, a wide router, a non-zero correction bias), written as
@@ -109,7 +116,9 @@ def main() -> None:
     results["trace"] = routing.trace(pm, ids).indices
     with ablate_experts(pm, ABLATED, mode="reroute"):
         results["ablated"] = pm(ids)
+    results["masked_logits"] = pm(ids, attention_mask=left_padding())
     results["greedy"] = pm.generate(ids, NEW_TOKENS)
+    results["masked_greedy"] = pm.generate(ids, NEW_TOKENS, attention_mask=left_padding())
     results["sampled"] = pm.generate(ids, NEW_TOKENS, temperature=1.0, top_k=50, seed=1)
     try:
         pm.generate(ids, NEW_TOKENS, top_p=2.0)

@@ -8,17 +8,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from pipeline_worker import ABLATED, CONFIG, NEW_TOKENS, token_ids, write_mini_checkpoint
+import torch.distributed as dist
+from pipeline_worker import ABLATED, CONFIG, NEW_TOKENS, left_padding, token_ids, write_mini_checkpoint
 
 import k2lab
 from k2lab.analysis.interventions import ablate_experts
-from k2lab.distributed import stage_map
+from k2lab.distributed import PipelinedK2, stage_map
 from k2lab.weights.placement import unit_of
 from k2lab.weights.reader import read_weight_map
 
@@ -45,6 +47,8 @@ def reference(checkpoint) -> dict[str, object]:
            "attribution": cache.logit_attribution(int(ids[0, -1]), pos=-1).total(),
            "trace": k2lab.routing.trace(model, ids).indices,
            "greedy": k2lab.generate(model, ids, NEW_TOKENS),
+           "masked_logits": model(ids, attention_mask=left_padding()),
+           "masked_greedy": k2lab.generate(model, ids, NEW_TOKENS, attention_mask=left_padding()),
            "sampled": k2lab.generate(model, ids, NEW_TOKENS, temperature=1.0, top_k=50, seed=1)}
     with ablate_experts(model, ABLATED, mode="reroute"):
         ref["ablated"] = model(ids)
@@ -118,6 +122,16 @@ def test_expert_ablation_equals_one_process(ranks, reference):
         torch.testing.assert_close(r["ablated"], reference["ablated"], atol=1e-5, rtol=0)
 
 
+def test_left_padded_batch_equals_one_process(ranks, reference):
+    """A padded batch: the mask, and the rotary positions that count real tokens only, reach every stage; at
+    generate's prefill the last rank sends the mask, and each rank's latent cache remembers the pads."""
+    unpadded = torch.equal(reference["masked_logits"], reference["logits"])
+    assert not unpadded and reference["masked_greedy"].shape == (2, 9 + NEW_TOKENS)
+    for r in ranks:
+        torch.testing.assert_close(r["masked_logits"], reference["masked_logits"], atol=1e-5, rtol=0)
+        assert torch.equal(r["masked_greedy"], reference["masked_greedy"])
+
+
 def test_generation_equals_one_process(ranks, reference):
     for r in ranks:
         assert torch.equal(r["greedy"], reference["greedy"])
@@ -156,16 +170,19 @@ def test_bytes_sent_follow_from_the_shapes(two_ranks):
     """The byte counts the benchmark reports, from the shapes alone. Rank 0 sends the residual [B, T, D] of each
     forward and its probes; rank 1 (the last) the logits, its probes, the head copy and generate's ids."""
     B, T, D, V, n = 2, 9, CONFIG.hidden_size, CONFIG.vocab_size, NEW_TOKENS
+    header = 5 * 8  # kind, B, T, attn_impl, whether a mask follows (int64)
     cache = two_ranks[0]["cache"]
     size = lambda names: sum(cache[name].nelement() * cache[name].element_size() for name in names)  # noqa: E731
     on_rank0 = [name for name in cache if name.startswith(("embed_tokens.", "layers.0."))]
     gates = [name for name in cache if ".mlp.gate.hook_" in name and not name.endswith("hook_logits")]
-    forwards = 4  # pm(ids), run_with_cache, the routing trace, the ablation
+    forwards = 5  # pm(ids), run_with_cache, the routing trace, the ablation, the padded batch
+    generates = 3  # greedy, sampled, padded greedy (the one with a bad argument stops before any step)
     steps = (T + (n - 1)) * B  # tokens fed through the pipeline by one generate: the prompt, then n - 1 steps
-    assert two_ranks[0]["bytes_sent"] == 4 * (forwards * B * T * D + 2 * steps * D) + size(on_rank0)
-    per_generate = n * 32 + steps * 8 + 32 + 16 + B * (T + n) * 8  # step headers and ids, stop, the result
+    assert two_ranks[0]["bytes_sent"] == 4 * (forwards * B * T * D + generates * steps * D) + size(on_rank0)
+    per_generate = n * header + steps * 8 + header + 16 + B * (T + n) * 8  # step headers and ids, stop, the result
     assert two_ranks[1]["bytes_sent"] == (4 * (forwards * B * T * V + D + V * D) + size(set(cache) - set(on_rank0))
-                                          + size(gates) + 2 * per_generate + 32)  # + the error's header
+                                          + size(gates) + generates * per_generate + B * T  # + the padded mask
+                                          + header)  # + the error's header
 
 
 @pytest.mark.parametrize("world, stages, message", [
@@ -179,6 +196,47 @@ def test_bytes_sent_follow_from_the_shapes(two_ranks):
 def test_stage_map_refuses_what_cannot_run(world, stages, message):
     with pytest.raises(ValueError, match=message):
         stage_map(CONFIG, world, stages)
+
+
+@pytest.fixture
+def one_rank(checkpoint) -> PipelinedK2:
+    """The pipeline on a group of one rank in this process (no spawn): rank 0 is also the last."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)
+                            }.items():
+            env.setenv(name, value)
+        try:
+            yield PipelinedK2(checkpoint, dtype=torch.float32)
+        finally:
+            dist.destroy_process_group()
+
+
+def test_hooks_take_the_models_selectors_and_refuse_a_backward(one_rank, reference):
+    pm, ids = one_rank, token_ids()
+    _, cache = pm.run_with_cache(ids, names_filter=["layers.1.hook_resid_post", lambda n: n.endswith("topk_idx")])
+    assert list(cache) == ["layers.1.mlp.gate.hook_topk_idx", "layers.1.hook_resid_post",  # in firing order
+                           "layers.2.mlp.gate.hook_topk_idx", "layers.3.mlp.gate.hook_topk_idx"]
+    for name, tensor in cache.items():
+        torch.testing.assert_close(tensor, reference["cache"][name], atol=1e-5, rtol=0, msg=name)
+    with pytest.raises(NotImplementedError, match="bwd_hooks: PipelinedK2 runs forward only"):
+        with pm.hooks(bwd_hooks=[("hook_resid_post", lambda grad, hook: None)]):
+            pass
+    with pytest.raises(NotImplementedError, match="incl_bwd: PipelinedK2 runs forward only"):
+        pm.run_with_cache(ids, incl_bwd=True)
+    with pytest.raises(ValueError, match=r"fwd_hooks takes \(selector, fn\) pairs"):
+        with pm.hooks(fwd_hooks=["hook_resid_post"]):
+            pass
+
+
+def test_a_hook_that_runs_the_pipeline_again_is_refused(one_rank, reference):
+    pm, ids = one_rank, token_ids()
+    with pytest.raises(RuntimeError, match="called from a hook while its own forward is running"):
+        with pm.hooks(fwd_hooks=[("layers.2.hook_resid_post", lambda t, hook: pm(ids))]):
+            pm(ids)
+    torch.testing.assert_close(pm(ids), reference["logits"], atol=1e-5, rtol=0)  # the guard was reset
 
 
 def test_init_outside_torchrun_names_the_missing_variables(monkeypatch):
