@@ -141,9 +141,9 @@ def test_generation_equals_one_process(ranks, reference):
 
 def test_bad_generate_arguments_raise_on_every_rank(ranks):
     last = len(ranks) - 1
-    assert ranks[last]["generate_error"] == "ValueError: top_p must lie in (0, 1], got 2.0"
+    assert ranks[last]["generate_error"] == "ValueError: top_p must be None or lie in (0, 1], got 2.0"
     for r in ranks[:last]:
-        assert r["generate_error"] == f"RuntimeError: generate failed on rank {last}: ValueError: top_p must lie " \
+        assert r["generate_error"] == f"RuntimeError: generate failed on rank {last}: ValueError: top_p must be None or lie " \
                                       "in (0, 1], got 2.0"
 
 
