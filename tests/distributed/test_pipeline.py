@@ -143,8 +143,8 @@ def test_bad_generate_arguments_raise_on_every_rank(ranks):
     last = len(ranks) - 1
     assert ranks[last]["generate_error"] == "ValueError: top_p must be None or lie in (0, 1], got 2.0"
     for r in ranks[:last]:
-        assert r["generate_error"] == f"RuntimeError: generate failed on rank {last}: ValueError: top_p must be None or lie " \
-                                      "in (0, 1], got 2.0"
+        assert r["generate_error"] == f"RuntimeError: generate failed on rank {last}: ValueError: top_p must be " \
+                                      "None or lie in (0, 1], got 2.0"
 
 
 def test_each_rank_reads_only_its_own_units(ranks, checkpoint):
