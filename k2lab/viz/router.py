@@ -77,9 +77,12 @@ def routing_heatmap(indices: torch.Tensor, weights: torch.Tensor, num_experts: i
 
 
 def bias_flip_figure(flip_share: torch.Tensor, layers: Sequence[int], title: str = "") -> go.Figure:
-    """Per MoE layer, the share of tokens whose chosen SET the correction bias changed. ``flip_share``: [L_moe]."""
-    fig = go.Figure(go.Bar(x=[str(layer) for layer in layers], y=100 * array(flip_share), marker_color=BIAS,
+    """Per MoE layer, the share of tokens whose chosen SET the correction bias changed (at least one of their k
+    experts differs from the top-k of s alone). ``flip_share``: [L_moe]."""
+    share = 100 * array(flip_share)
+    fig = go.Figure(go.Bar(x=[str(layer) for layer in layers], y=share, marker_color=BIAS,
+                           text=[f"{v:.0f}%" for v in share], textposition="outside", cliponaxis=False,
                            hovertemplate="layer %{x}<br>%{y:.1f}% of tokens<extra></extra>"))
-    fig.update_xaxes(title_text="layer", type="category")
-    fig.update_yaxes(title_text="tokens whose experts the bias changed (%)", rangemode="tozero")
-    return finish(fig, title or "Where the correction bias changes the choice", height=380, legend=False)
+    fig.update_xaxes(title_text="MoE layer", type="category")
+    fig.update_yaxes(title_text="tokens flipped (%)", range=[0, 112], tickvals=[0, 25, 50, 75, 100])
+    return finish(fig, title or "Tokens whose experts the correction bias changed", height=380, legend=False)
