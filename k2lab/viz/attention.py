@@ -49,12 +49,13 @@ def score_split_figure(content: torch.Tensor, rotary: torch.Tensor, tokens: Sequ
     masked = np.triu(np.ones((T, S), dtype=bool), k=1 + S - T)
     panels = {"content: q_nope · k_nope": content, "rotary part: q_pe · k_pe": rotary, "total score": total}
     labels = token_labels(tokens)
-    fig = make_subplots(rows=1, cols=3, subplot_titles=list(panels), horizontal_spacing=0.07)
+    fig = make_subplots(rows=1, cols=3, subplot_titles=list(panels), horizontal_spacing=0.1)
     for col, z in enumerate(panels.values(), start=1):
         shown = np.where(masked, np.nan, z)
         bound = float(np.nanmax(np.abs(shown))) or 1.0
+        right = fig.layout[f"xaxis{col if col > 1 else ''}"].domain[1]  # the colour bar sits just right of its panel
         fig.add_trace(go.Heatmap(z=shown, x=labels, y=labels[-T:], colorscale=DIVERGING, zmid=0, zmin=-bound,
-                                 zmax=bound, colorbar=dict(x=0.285 + 0.357 * (col - 1), len=0.8, thickness=10),
+                                 zmax=bound, colorbar=dict(x=right + 0.005, xanchor="left", len=0.8, thickness=10),
                                  hovertemplate="query %{y}<br>key %{x}<br>%{z:.2f}<extra></extra>"), row=1, col=col)
     fig.update_yaxes(autorange="reversed", showticklabels=False, dtick=1)
     fig.update_yaxes(showticklabels=True, col=1)

@@ -63,9 +63,9 @@ def specialization_figure(shares: Mapping[str, torch.Tensor], uniform: float, ti
     return finish(fig.update_layout(barmode="group"), title or "Domain specialisation", height=420)
 
 
-def layer_bars_figure(series: Mapping[str, torch.Tensor], layers: Sequence[int], y_title: str,
+def layer_bars_figure(series: Mapping[str, torch.Tensor], layers: Sequence[int | str], y_title: str,
                       reference: float | None = None, reference_label: str = "", percent: bool = False,
-                      title: str = "") -> go.Figure:
+                      title: str = "", x_title: str = "layer") -> go.Figure:
     """Grouped bars of per-layer summaries ({name: [L_moe]}), with an optional dashed reference line: the
     consecutive-token rate against its random baseline, vocabulary specialisation of input against output ids."""
     scale = 100 if percent else 1
@@ -74,7 +74,7 @@ def layer_bars_figure(series: Mapping[str, torch.Tensor], layers: Sequence[int],
         fig.add_trace(go.Bar(x=[str(layer) for layer in layers], y=scale * array(v), name=name, marker_color=color))
     if reference is not None:
         reference_line(fig, scale * reference, reference_label)
-    fig.update_xaxes(title_text="layer", type="category")
+    fig.update_xaxes(title_text=x_title, type="category")
     fig.update_yaxes(title_text=y_title, rangemode="tozero")
     return finish(fig.update_layout(barmode="group"), title, height=400, legend=len(series) > 1)
 

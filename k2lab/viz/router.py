@@ -52,7 +52,8 @@ def router_token_figure(scores: torch.Tensor, bias: torch.Tensor, chosen: torch.
                       row=row, col=1)
     fig.update_yaxes(title_text="score", row=row, col=1)
     fig.add_trace(go.Bar(x=array(chosen).astype(int), y=array(weights), marker_color=CHOSEN, name="weight",
-                         showlegend=False, hovertemplate="expert %{x}<br>weight %{y:.3f}<extra></extra>"),
+                         width=0.8, showlegend=False,  # one expert wide, like the bars above
+                         hovertemplate="expert %{x}<br>weight %{y:.3f}<extra></extra>"),
                   row=row + 1, col=1)
     fig.update_yaxes(title_text="weight", row=row + 1, col=1)
     fig.update_xaxes(title_text="expert", row=row + 1, col=1)

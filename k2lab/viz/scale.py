@@ -32,9 +32,10 @@ def parameter_figure(rows: Sequence[tuple[str, int, int]], title: str = "") -> g
                              showlegend=False, text=[f"{s:.1f}%" for s in shares], textposition="outside",
                              cliponaxis=False), row=1, col=2)
     # Room on the right of the longest bar for its label: about one decade on the log axis.
-    fig.update_xaxes(title_text="parameters", range=[math.log10(smallest) - 0.3, math.log10(largest) + 1.2],
+    fig.update_xaxes(title_text="parameters", range=[math.log10(smallest) - 0.3, math.log10(largest) + 0.9],
                      **LOG_AXIS, row=1, col=1)
     fig.update_xaxes(title_text="% of total / % of active", range=[0, 125], tickvals=[0, 25, 50, 75, 100],
                      row=1, col=2)
     fig.update_yaxes(autorange="reversed")
-    return finish(fig.update_layout(barmode="group"), title or "Where K2's parameters are", height=470, width=1000)
+    return finish(fig.update_layout(barmode="group"), title or "Where K2's parameters are", height=500, width=1000,
+                  legend_below=True)

@@ -31,10 +31,9 @@ _RATIOS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 2 / 3, 1, 1.5, 2, 4, 8, 16)
 
 def ratio_ticks(bound: float) -> dict:
     """Colour-bar ticks for log2 ratios on a scale running from -bound to bound: the round ratios inside it, and its
-    two ends, labelled as ratios (0.5, 1, 2, ...), not as logs."""
+    two ends, labelled as ratios (0.25, 0.5, 1, 2, ...), not as logs."""
     values = sorted({math.log2(r) for r in _RATIOS if abs(math.log2(r)) < bound * 0.9} | {-bound, bound})
-    label = lambda v: f"{2 ** v:.2g}" if 2 ** v >= 1 else f"1/{2 ** -v:.2g}"  # noqa: E731
-    return dict(tickvals=values, ticktext=[label(v) for v in values])
+    return dict(tickvals=values, ticktext=[f"{2 ** v:.2g}" for v in values])
 
 
 LOG_AXIS = dict(type="log", dtick=1, exponentformat="power")  # decades only, no minor labels

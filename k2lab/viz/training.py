@@ -67,7 +67,8 @@ def qk_clip_figure(steps: Sequence[int], max_logits: torch.Tensor, tau: float, t
     fig.add_trace(go.Scatter(x=list(steps), y=clipped, mode="lines", line=dict(color=RED, width=1),
                              name="clipped heads"), row=2, col=1)
     fig.update_yaxes(autorange="reversed", dtick=1 if L * H <= 48 else None, row=1, col=1)
-    fig.update_yaxes(title_text=f"heads > τ={tau:g}", rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(title_text=f"heads > τ={tau:g}", rangemode="tozero", dtick=max(1, -(-int(clipped.max()) // 4)),
+                     row=2, col=1)  # whole heads only
     fig.update_xaxes(title_text="step", row=2, col=1)
     heat = "" if every == 1 else f" (heatmap: every {every}th step; clipped heads: every step)"
     return finish(fig, title or f"QK-Clip: the largest attention logit of every head{heat}", height=560,

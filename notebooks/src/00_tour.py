@@ -58,7 +58,7 @@
 #
 # The next cell is the lab's *parameter cell*. By default it loads K2-nano on the CPU. To run this notebook on
 # the real model, start Jupyter with environment variables such as
-# `K2LAB_MODEL=moonshotai/Kimi-K2-Instruct K2LAB_DEVICE_MAP=auto` (see `k2lab/lab.py` for all of them).
+# `K2LAB_MODEL=moonshotai/Kimi-K2-Instruct K2LAB_DEVICE_MAP=auto` (see `k2lab/lab/settings.py` for all of them).
 
 # %% tags=["parameters"]
 from k2lab import lab

@@ -1,7 +1,8 @@
 # %% [markdown]
 # # 02 · Positions: RoPE and YaRN
 #
-# Attention by itself does not know where tokens are. K2 tells it with **rotary position embeddings** (RoPE):
+# Attention by itself does not know where tokens are. K2 tells it with **rotary position embeddings**
+# ([RoPE](GLOSSARY.md#rope)):
 # each query and key carries R = 64 *rotary features*, read as 32 pairs. At position p, pair i is rotated by the
 # angle p·θ_i, with
 #
@@ -39,7 +40,8 @@ for i in (0, 1, 19, 20, 31):
 # %% [markdown]
 # ## YaRN: stretch only what needs stretching
 #
-# To serve 131,072 positions (32 times more), YaRN (Peng et al., 2023) changes the frequencies by pair:
+# To serve 131,072 positions (32 times more), [YaRN](GLOSSARY.md#yarn) (Peng et al., 2023) changes the frequencies
+# by pair:
 #
 # * pairs that turn more than β_fast times within the original context keep their frequency (interpolating them
 #   would blur the fine position information they carry);
@@ -77,7 +79,7 @@ viz.yarn_figure(rope.inverse_frequencies(plain), rope.inverse_frequencies(k2), r
                 title="Kimi K2: RoPE wavelengths before and after YaRN (s = 32)")
 
 # %% [markdown]
-# ## The temperature: mscale and the softmax scale
+# ## The temperature: mscale and the [softmax scale](GLOSSARY.md#softmax-scale)
 #
 # Stretching positions flattens attention a little, so YaRN sharpens it back with a temperature
 # m = 0.1·ln(s) + 1. The release does this in two places that partly cancel:

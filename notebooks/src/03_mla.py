@@ -260,7 +260,7 @@ for layer in range(len(model.layers)):
 
 # %% tags=["nbval-ignore-output"]
 viz.layer_bars_figure(sizes, labels, "mean |term| over visible (t, s)",
-                      title="Size of each score term, per layer and head (running prompt)")
+                      title="Size of each score term, per layer and head (running prompt)", x_title="layer.head")
 
 # %% [markdown]
 # What K2-nano does, read from the numbers above: the **rotary part dominates** its scores. In layers 0 to 2 it

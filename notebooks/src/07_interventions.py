@@ -161,7 +161,7 @@ print(f"p({tok.id_to_piece(target)!r}) = {prob(logits):.2f} unchanged; "
 
 # %% tags=["nbval-ignore-output"]
 viz.effect_heatmap(p_without - prob(logits), [f"layer {i}" for i in range(len(model.layers))],
-                   [f"head {h}" for h in range(H)], colorbar_title="change in p",
+                   [f"head {h}" for h in range(H)], colorbar_title="change<br>in p", x_title="head zeroed",
                    title=f"Zeroing one head at the last position: change in p({tok.id_to_piece(target)!r})")
 
 # %% [markdown]

@@ -36,8 +36,8 @@ print(f"one MLA: {attention_parameters(k2):,}; the dense block 0: {block_paramet
 
 # %% [markdown]
 # The figure shows the same table twice: on a log axis, where the small components can be read, and as shares on a
-# linear axis, where it is plain that the routed experts are nearly all of the parameters but a small part of
-# those active per token.
+# linear axis, where it is plain that the routed experts are nearly all of the parameters (99%), and still about
+# two thirds of those active per token, although a token runs only 8 of each layer's 384.
 
 # %% tags=["nbval-ignore-output"]
 viz.parameter_figure(count.table(),

@@ -38,7 +38,7 @@ print(about)
 # %% [markdown]
 # ## A real prompt
 #
-# A chat turn, laid out by K2's chat template (see [01 tokens](01_tokens.ipynb)):
+# A chat turn, laid out by K2's [chat template](GLOSSARY.md#chat-template) (see [01 tokens](01_tokens.ipynb)):
 
 # %%
 import torch

@@ -20,7 +20,7 @@ def test_load_figure_fits_the_colour_range_to_the_data_and_marks_idle_experts_ap
     assert np.isnan(z[0, 0])  # idle: not clipped to the bottom colour ...
     assert np.asarray(idle.z, dtype=float)[0, 0] == 1 and np.isnan(np.asarray(idle.z, dtype=float)[0, 1])  # ... grey
     assert heat.zmax == pytest.approx(math.log2(2.5)) and heat.zmin == pytest.approx(-math.log2(2.5))
-    assert heat.colorbar.ticktext[-1] == "2.5" and heat.colorbar.ticktext[0] == "1/2.5"
+    assert heat.colorbar.ticktext[-1] == "2.5" and heat.colorbar.ticktext[0] == "0.4"
     assert list(bars.x) == pytest.approx([1.5, 0.2])
 
 
@@ -61,3 +61,16 @@ def test_score_split_figure_names_the_rotary_part_and_gives_each_panel_its_range
     titles = [a.text for a in fig.layout.annotations]
     assert any(t.startswith("rotary part") for t in titles) and not any("position" in t for t in titles)
     assert fig.data[0].zmax < 0.1 < fig.data[1].zmax  # the small content term keeps visible colours
+
+
+def test_effect_heatmap_names_non_position_columns():
+    fig = viz.effect_heatmap(torch.tensor([[0.1, -0.7]]), ["layer 4"], ["head 0", "head 1"], x_title="head zeroed")
+    assert list(fig.data[0].x) == ["head 0", "head 1"] and fig.layout.xaxis.title.text == "head zeroed"
+    by_position = viz.effect_heatmap(torch.tensor([[0.1, -0.7]]), ["layer 4"], ["a", "b"])
+    assert list(by_position.data[0].x) == ["0:a", "1:b"] and by_position.layout.xaxis.title.text == "position"
+
+
+def test_router_token_figure_draws_each_weight_one_expert_wide():
+    scores, bias = torch.rand(16), torch.zeros(16)
+    fig = viz.router_token_figure(scores, bias, torch.tensor([1, 9]), torch.tensor([1.5, 1.3]))
+    assert fig.data[-1].width == 0.8  # sparse bars would otherwise widen to fill the gaps between experts
