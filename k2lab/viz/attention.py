@@ -1,4 +1,4 @@
-"""Multi-head latent attention: attention patterns, and scores split into their content and position terms."""
+"""Multi-head latent attention: attention patterns, and scores split into their content part and rotary part."""
 
 from __future__ import annotations
 
