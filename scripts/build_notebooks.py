@@ -6,9 +6,11 @@ notebooks/NN_name.ipynb, executed with the bundled K2-nano so the committed note
     python scripts/build_notebooks.py --check      # fail if a .ipynb's cells differ from its source (no execution)
 
 Source format: a line ``# %%`` starts a code cell, ``# %% [markdown]`` a markdown cell whose lines are written as
-``# text``; ``# %% tags=["nbval-ignore-output"]`` gives a cell tags. K2LAB_* variables are cleared for the build,
-so the stored outputs are K2-nano's, unless ``--keep-env`` (to build with another model's outputs). Kernels run
-with OMP_NUM_THREADS=1 unless it is set; run nbval the same way.
+``# text``; ``# %% tags=["nbval-ignore-output"]`` gives a cell tags. A code cell tagged ``solution`` is stored with
+its source collapsed (``jupyter.source_hidden``): an exercise's answer, one click away, and still run by nbval.
+K2LAB_* variables are cleared for the build, so the stored outputs are K2-nano's, unless ``--keep-env`` (to build
+with another model's outputs). Kernels run with OMP_NUM_THREADS=1 unless it is set, and with this checkout first on
+PYTHONPATH; run nbval the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from pathlib import Path
 
 import nbformat
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = REPO / "notebooks"
 _HEADER = re.compile(r"# %%(?P<markdown> \[markdown\])?(?: tags=(?P<tags>\[.*\]))?\s*$")
 
 
@@ -37,7 +40,10 @@ def parse(source: str) -> nbformat.NotebookNode:
             text = "\n".join(line[2:] if line.startswith("# ") else line.lstrip("#") for line in text.splitlines())
             cells.append(nbformat.v4.new_markdown_cell(text))
         elif kind == "code":
-            cells.append(nbformat.v4.new_code_cell(text, metadata={"tags": tags} if tags else {}))
+            metadata = {"tags": tags} if tags else {}
+            if "solution" in tags:
+                metadata["jupyter"] = {"source_hidden": True}
+            cells.append(nbformat.v4.new_code_cell(text, metadata=metadata))
 
     for line in source.splitlines():
         header = _HEADER.match(line)
@@ -94,6 +100,9 @@ def main() -> None:
     for name in [k for k in os.environ if k.startswith("K2LAB_") and not args.keep_env]:
         del os.environ[name]
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Kernels inherit this environment: put this checkout first, so the notebooks import the k2lab beside them
+    # (not another installed copy) and the stored outputs are this tree's.
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     # One thread: a float sum then rounds the same on every machine, so nbval's re-run reproduces the checked
     # outputs; the nano model gains little from more (and loses much on a busy machine).
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,10 +1,12 @@
-"""What the notebooks stand on: the parameter cell's settings (``LabSettings``, ``load_model``) and the bundled
-K2-nano (``load_nano``), shipped as package data in ``k2lab/lab/assets``."""
+"""What the notebooks stand on: the parameter cell's settings (``LabSettings``, ``load_model``), the bundled
+K2-nano (``load_nano``), shipped as package data in ``k2lab/lab/assets``, the running prompt (``PROMPT``) and the
+exercises' check functions (``exercises``)."""
 
+from . import exercises
 from .nano import NANO_DIR, load_nano, save_checkpoint
-from .settings import NANO, LabSettings, describe, load_model, setup_notebook, tokenizer
+from .settings import NANO, PROMPT, LabSettings, describe, load_model, setup_notebook, tokenizer
 
 __all__ = [
-    "NANO", "NANO_DIR", "LabSettings", "describe", "load_model", "load_nano", "save_checkpoint", "setup_notebook",
-    "tokenizer",
+    "NANO", "NANO_DIR", "PROMPT", "LabSettings", "describe", "exercises", "load_model", "load_nano", "save_checkpoint",
+    "setup_notebook", "tokenizer",
 ]

@@ -1,4 +1,4 @@
-"""Multi-head latent attention: attention patterns, and scores split into their content and position terms."""
+"""Multi-head latent attention: attention patterns, and scores split into their content part and rotary part."""
 
 from __future__ import annotations
 
@@ -38,29 +38,31 @@ def pattern_figure(pattern: torch.Tensor, tokens: Sequence[str], head_labels: Se
     return finish(fig, title or "Attention patterns", height=90 + rows * side, legend=False)
 
 
-def score_split_figure(content: torch.Tensor, position: torch.Tensor, tokens: Sequence[str],
+def score_split_figure(content: torch.Tensor, rotary: torch.Tensor, tokens: Sequence[str],
                        title: str = "") -> go.Figure:
-    """One head's pre-softmax scores [T, S] as their two MLA terms and their sum, on one diverging scale:
-    content = scale * q_nope . k_nope (what the tokens are), position = scale * q_pe . k_pe (the rotary part: where
-    they are). Future positions are blank."""
-    content, position = data(content, "content", 2), data(position, "position", 2)
-    if content.shape != position.shape:
-        raise ValueError(f"content and position must share a shape, got {list(content.shape)} and "
-                         f"{list(position.shape)}")
+    """One head's pre-softmax scores [T, S] as their two MLA terms and their sum, each panel on its own diverging
+    scale (one shared scale would blank the smaller term): content = scale * q_nope . k_nope, rotary part = scale *
+    q_pe . k_pe. Both terms are computed from the tokens; only the rotary part is also rotated by position. Future
+    positions are blank."""
+    content, rotary = data(content, "content", 2), data(rotary, "rotary", 2)
+    if content.shape != rotary.shape:
+        raise ValueError(f"content and rotary must share a shape, got {list(content.shape)} and {list(rotary.shape)}")
     same_length(content, tokens, "the scores [T, S]", "tokens", axis=1)
-    total = content + position
+    total = content + rotary
     T, S = total.shape
     masked = np.triu(np.ones((T, S), dtype=bool), k=1 + S - T)
-    panels = {"content: q_nope · k_nope": content, "position: q_pe · k_pe": position, "total score": total}
-    bound = float(np.nanmax(np.abs(np.where(masked, np.nan, np.stack(list(panels.values())))))) or 1.0
+    panels = {"content: q_nope · k_nope": content, "rotary part: q_pe · k_pe": rotary, "total score": total}
     labels = token_labels(tokens)
-    fig = make_subplots(rows=1, cols=3, subplot_titles=list(panels), horizontal_spacing=0.04)
+    fig = make_subplots(rows=1, cols=3, subplot_titles=list(panels), horizontal_spacing=0.1)
     for col, z in enumerate(panels.values(), start=1):
-        fig.add_trace(go.Heatmap(z=np.where(masked, np.nan, z), x=labels, y=labels[-T:], coloraxis="coloraxis",
+        shown = np.where(masked, np.nan, z)
+        bound = float(np.nanmax(np.abs(shown))) or 1.0
+        right = fig.layout[f"xaxis{col if col > 1 else ''}"].domain[1]  # the colour bar sits just right of its panel
+        fig.add_trace(go.Heatmap(z=shown, x=labels, y=labels[-T:], colorscale=DIVERGING, zmid=0, zmin=-bound,
+                                 zmax=bound, colorbar=dict(x=right + 0.005, xanchor="left", len=0.8, thickness=10),
                                  hovertemplate="query %{y}<br>key %{x}<br>%{z:.2f}<extra></extra>"), row=1, col=col)
     fig.update_yaxes(autorange="reversed", showticklabels=False, dtick=1)
     fig.update_yaxes(showticklabels=True, col=1)
     fig.update_xaxes(tickangle=-60, dtick=1)
-    fig.update_layout(coloraxis=dict(colorscale=DIVERGING, cmid=0, cmin=-bound, cmax=bound,
-                                     colorbar=dict(title="scaled<br>score")))
-    return finish(fig, title or "Attention scores split into content and position", height=460, legend=False)
+    return finish(fig, title or "Attention scores split into content and rotary part (each its own colour range)",
+                  height=460, legend=False)

@@ -13,12 +13,12 @@ from plotly.subplots import make_subplots
 from .style import (
     BLUE,
     DIVERGING,
+    IDLE,
     ORANGE,
-    RATIO_TICKS,
     RED,
     data,
     finish,
-    log2_ratio,
+    ratio_ticks,
     reference_line,
     same_length,
     series_of,
@@ -29,18 +29,28 @@ _QUALITATIVE = (BLUE, ORANGE, "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
 
 def load_figure(relative_load: torch.Tensor, layers: Sequence[int], title: str = "") -> go.Figure:
     """Left: relative load c_e / mean(c) per layer and expert on a diverging scale centred on 1 (balanced), log
-    coloured so 0.5 and 2 look equally far. Right: MaxVio = max_e(relative load) - 1 per layer.
-    ``relative_load``: [L_moe, E]."""
+    coloured so 0.5 and 2 look equally far, its range fitted to the data (symmetric about 1, so the colours say how
+    far the furthest expert strays). Idle experts (load 0, no finite log) are drawn apart in grey. Right: MaxVio =
+    max_e(relative load) - 1 per layer. ``relative_load``: [L_moe, E]."""
     rel = data(relative_load, "relative_load", 2)
     same_length(rel, layers, "relative_load [L_moe, E]", "layers")
     ys = [f"layer {layer}" for layer in layers]
+    idle = rel <= 0
+    with np.errstate(divide="ignore"):
+        z = np.where(idle, np.nan, np.log2(np.where(idle, 1.0, rel)))
+    bound = max(float(np.nanmax(np.abs(z))) if (~idle).any() else 0.0, 0.25)  # at least 0.84x .. 1.19x
+    experts = list(range(rel.shape[1]))
     fig = make_subplots(rows=1, cols=2, column_widths=[0.8, 0.2], shared_yaxes=True, horizontal_spacing=0.03,
-                        subplot_titles=["relative load (1 = uniform)", "MaxVio"])
-    fig.add_trace(go.Heatmap(z=log2_ratio(rel), x=list(range(rel.shape[1])), y=ys, customdata=rel,
-                             colorscale=DIVERGING, zmid=0, zmin=-4, zmax=4, xgap=1, ygap=1,
-                             colorbar=dict(title="load /<br>uniform", x=1.02, **RATIO_TICKS),
+                        subplot_titles=["relative load (1 = uniform; grey = idle, 0 tokens)", "MaxVio"])
+    fig.add_trace(go.Heatmap(z=z, x=experts, y=ys, customdata=rel, colorscale=DIVERGING, zmid=0, zmin=-bound,
+                             zmax=bound, xgap=1, ygap=1,
+                             colorbar=dict(title="load /<br>uniform", x=1.02, **ratio_ticks(bound)),
                              hovertemplate="%{y}, expert %{x}<br>%{customdata:.2f} × uniform<extra></extra>"),
                   row=1, col=1)
+    if idle.any():
+        fig.add_trace(go.Heatmap(z=np.where(idle, 1.0, np.nan), x=experts, y=ys, colorscale=[[0, IDLE], [1, IDLE]],
+                                 showscale=False, xgap=1, ygap=1, name="idle",
+                                 hovertemplate="%{y}, expert %{x}<br>idle: no tokens<extra></extra>"), row=1, col=1)
     fig.add_trace(go.Bar(x=rel.max(-1) - 1, y=ys, orientation="h", marker_color=RED,
                          hovertemplate="%{y}<br>MaxVio %{x:.2f}<extra></extra>"), row=1, col=2)
     fig.update_xaxes(title_text="expert", row=1, col=1)
@@ -67,9 +77,9 @@ def specialization_figure(shares: Mapping[str, torch.Tensor], uniform: float, ti
     return finish(fig.update_layout(barmode="group"), title or "Domain specialisation", height=420)
 
 
-def layer_bars_figure(series: Mapping[str, torch.Tensor], layers: Sequence[int], y_title: str,
+def layer_bars_figure(series: Mapping[str, torch.Tensor], layers: Sequence[int | str], y_title: str,
                       reference: float | None = None, reference_label: str = "", percent: bool = False,
-                      title: str = "") -> go.Figure:
+                      title: str = "", x_title: str = "layer") -> go.Figure:
     """Grouped bars of per-layer summaries ({name: [L_moe]}), with an optional dashed reference line: the
     consecutive-token rate against its random baseline, vocabulary specialisation of input against output ids."""
     series_of(series, "series")
@@ -81,7 +91,7 @@ def layer_bars_figure(series: Mapping[str, torch.Tensor], layers: Sequence[int],
         fig.add_trace(go.Bar(x=[str(layer) for layer in layers], y=scale * v, name=name, marker_color=color))
     if reference is not None:
         reference_line(fig, scale * reference, reference_label)
-    fig.update_xaxes(title_text="layer", type="category")
+    fig.update_xaxes(title_text=x_title, type="category")
     fig.update_yaxes(title_text=y_title, rangemode="tozero")
     return finish(fig.update_layout(barmode="group"), title, height=400, legend=len(series) > 1)
 

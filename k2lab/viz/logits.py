@@ -68,16 +68,19 @@ def attribution_figure(labels: Sequence[str], values: torch.Tensor, x_title: str
 
 
 def effect_heatmap(effect: torch.Tensor, row_labels: Sequence[str], tokens: Sequence[str],
-                   colorbar_title: str = "effect", title: str = "") -> go.Figure:
-    """An effect per (row, position) on a diverging scale centred on 0: e.g. activation patching, the share of a
-    logit difference restored by patching one layer's residual at one position. ``effect``: [rows, T]."""
+                   colorbar_title: str = "effect", title: str = "", x_title: str | None = None) -> go.Figure:
+    """An effect per (row, column) on a diverging scale centred on 0: e.g. activation patching, the share of a
+    logit difference restored by patching one layer's residual at one position. ``effect``: [rows, T]. Columns
+    are token positions (``tokens``, labelled with their positions) unless ``x_title`` names what they are, in which
+    case ``tokens`` are plain column labels (heads, experts, ...)."""
     z = data(effect, "effect", 2)
     same_length(z, row_labels, "effect [rows, T]", "row_labels")
     same_length(z, tokens, "effect [rows, T]", "tokens", axis=1)
     bound = float(np.nanmax(np.abs(z))) or 1.0
-    fig = go.Figure(go.Heatmap(z=z, x=token_labels(tokens), y=list(row_labels), colorscale=DIVERGING, zmid=0,
+    columns = token_labels(tokens) if x_title is None else list(tokens)
+    fig = go.Figure(go.Heatmap(z=z, x=columns, y=list(row_labels), colorscale=DIVERGING, zmid=0,
                                zmin=-bound, zmax=bound, xgap=1, ygap=1, colorbar=dict(title=colorbar_title),
                                hovertemplate="%{y}, %{x}<br>%{z:.3f}<extra></extra>"))
-    fig.update_xaxes(title_text="position", tickangle=-45, dtick=1)
+    fig.update_xaxes(title_text=x_title or "position", tickangle=-45 if x_title is None else 0, dtick=1)
     fig.update_yaxes(autorange="reversed")
     return finish(fig, title, height=150 + 34 * len(row_labels), legend=False)

@@ -57,7 +57,8 @@ def router_token_figure(scores: torch.Tensor, bias: torch.Tensor, chosen: torch.
                       row=row, col=1)
     fig.update_yaxes(title_text="score", row=row, col=1)
     fig.add_trace(go.Bar(x=array(chosen).astype(int), y=array(weights), marker_color=CHOSEN, name="weight",
-                         showlegend=False, hovertemplate="expert %{x}<br>weight %{y:.3f}<extra></extra>"),
+                         width=0.8, showlegend=False,  # one expert wide, like the bars above
+                         hovertemplate="expert %{x}<br>weight %{y:.3f}<extra></extra>"),
                   row=row + 1, col=1)
     fig.update_yaxes(title_text="weight", row=row + 1, col=1)
     fig.update_xaxes(title_text="expert", row=row + 1, col=1)
@@ -87,11 +88,14 @@ def routing_heatmap(indices: torch.Tensor, weights: torch.Tensor, num_experts: i
 
 
 def bias_flip_figure(flip_share: torch.Tensor, layers: Sequence[int], title: str = "") -> go.Figure:
-    """Per MoE layer, the share of tokens whose chosen SET the correction bias changed. ``flip_share``: [L_moe]."""
+    """Per MoE layer, the share of tokens whose chosen SET the correction bias changed (at least one of their k
+    experts differs from the top-k of s alone). ``flip_share``: [L_moe]."""
     flip_share = data(flip_share, "flip_share", 1)
     same_length(flip_share, layers, "flip_share", "layers")
-    fig = go.Figure(go.Bar(x=[str(layer) for layer in layers], y=100 * flip_share, marker_color=BIAS,
+    share = 100 * flip_share
+    fig = go.Figure(go.Bar(x=[str(layer) for layer in layers], y=share, marker_color=BIAS,
+                           text=[f"{v:.0f}%" for v in share], textposition="outside", cliponaxis=False,
                            hovertemplate="layer %{x}<br>%{y:.1f}% of tokens<extra></extra>"))
-    fig.update_xaxes(title_text="layer", type="category")
-    fig.update_yaxes(title_text="tokens whose experts the bias changed (%)", rangemode="tozero")
-    return finish(fig, title or "Where the correction bias changes the choice", height=380, legend=False)
+    fig.update_xaxes(title_text="MoE layer", type="category")
+    fig.update_yaxes(title_text="tokens flipped (%)", range=[0, 112], tickvals=[0, 25, 50, 75, 100])
+    return finish(fig, title or "Tokens whose experts the correction bias changed", height=380, legend=False)

@@ -21,10 +21,21 @@ POSITIVE, NEGATIVE = BLUE, RED  # attributions
 SEQUENTIAL = "Viridis"
 LIGHT_SEQUENTIAL = [[0.0, "#f7fbff"], [0.5, "#9ecae1"], [1.0, "#3182bd"]]  # black text stays readable on it
 DIVERGING = "RdBu_r"  # blue below the midpoint, red above
+IDLE = "#b0b0b0"  # experts that got no tokens: apart from the load scale, whose log has no value for them
 
 
 # Ratios (load against uniform) are coloured on a log2 scale, so that 1/2 and 2 look equally far from 1.
 RATIO_TICKS = dict(tickvals=[-4, -2, -1, 0, 1, 2, 4], ticktext=["1/16", "1/4", "1/2", "1", "2", "4", "16"])
+_RATIOS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 2 / 3, 1, 1.5, 2, 4, 8, 16)
+
+
+def ratio_ticks(bound: float) -> dict:
+    """Colour-bar ticks for log2 ratios on a scale running from -bound to bound: the round ratios inside it, and its
+    two ends, labelled as ratios (0.25, 0.5, 1, 2, ...), not as logs."""
+    values = sorted({math.log2(r) for r in _RATIOS if abs(math.log2(r)) < bound * 0.9} | {-bound, bound})
+    return dict(tickvals=values, ticktext=[f"{2 ** v:.2g}" for v in values])
+
+
 LOG_AXIS = dict(type="log", dtick=1, exponentformat="power")  # decades only, no minor labels
 
 

@@ -55,24 +55,31 @@ def loss_figure(steps: Sequence[int], loss: Sequence[float], eval_steps: Sequenc
     return finish(fig, title or "Training K2-nano", height=440, legend_below=True)
 
 
-def qk_clip_figure(steps: Sequence[int], max_logits: torch.Tensor, tau: float, title: str = "") -> go.Figure:
+def qk_clip_figure(steps: Sequence[int], max_logits: torch.Tensor, tau: float, title: str = "",
+                   max_columns: int = 200) -> go.Figure:
     """Top: each head's largest pre-softmax logit per step (rows layer.head, ``max_logits`` [S, L, H]), the
-    colour scale's top at tau. Bottom: how many heads QK-Clip rescaled (max logit > tau) at each step."""
+    colour scale's top at tau; at most ``max_columns`` evenly spaced steps, which keeps a stored notebook small.
+    Bottom: how many heads QK-Clip rescaled (max logit > tau) at EVERY step, so no clipped step is skipped."""
     m = data(max_logits, "max_logits", 3)
     same_length(m, steps, "max_logits [S, L, H]", "steps")
     S, L, H = m.shape
+    every = max(1, -(-S // max_columns))  # ceil(S / max_columns)
+    shown = list(steps)[::every]
     rows = [f"L{layer}.h{h}" for layer in range(L) for h in range(H)]
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.75, 0.25], vertical_spacing=0.05)
-    fig.add_trace(go.Heatmap(z=m.reshape(S, L * H).T, x=list(steps), y=rows, colorscale=SEQUENTIAL, zmin=0, zmax=tau,
-                             colorbar=dict(title="max logit", len=0.7, y=0.62),
+    fig.add_trace(go.Heatmap(z=m[::every].reshape(len(shown), L * H).T, x=shown, y=rows, colorscale=SEQUENTIAL,
+                             zmin=0, zmax=tau, colorbar=dict(title="max logit", len=0.7, y=0.62),
                              hovertemplate="step %{x}, %{y}<br>max logit %{z:.1f}<extra></extra>"), row=1, col=1)
     clipped = (m > tau).reshape(S, -1).sum(-1)
-    fig.add_trace(go.Scatter(x=list(steps), y=clipped, mode="lines", line=dict(color=RED), name="clipped heads"),
-                  row=2, col=1)
+    fig.add_trace(go.Scatter(x=list(steps), y=clipped, mode="lines", line=dict(color=RED, width=1),
+                             name="clipped heads"), row=2, col=1)
     fig.update_yaxes(autorange="reversed", dtick=1 if L * H <= 48 else None, row=1, col=1)
-    fig.update_yaxes(title_text=f"heads > τ={tau:g}", rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(title_text=f"heads > τ={tau:g}", rangemode="tozero", dtick=max(1, -(-int(clipped.max()) // 4)),
+                     row=2, col=1)  # whole heads only
     fig.update_xaxes(title_text="step", row=2, col=1)
-    return finish(fig, title or "QK-Clip: the largest attention logit of every head", height=560, legend=False)
+    heat = "" if every == 1 else f" (heatmap: every {every}th step; clipped heads: every step)"
+    return finish(fig, title or f"QK-Clip: the largest attention logit of every head{heat}", height=560,
+                  legend=False)
 
 
 def expert_time_figure(steps: Sequence[int], values: torch.Tensor, colorbar_title: str, zmid: float | None = None,

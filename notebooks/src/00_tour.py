@@ -7,11 +7,34 @@
 # networks plus one shared one.
 #
 # This lab runs the real architecture, written out in readable PyTorch (`k2lab`). On a laptop it runs
-# **K2-nano**, a 6-block miniature with every one of K2's switches, trained for a few minutes on Python's own
-# standard library, so expect it to write plausible Python and little else. On a GPU node the same notebooks run
-# the real Kimi K2.
+# **K2-nano**, a 6-block miniature with every one of K2's switches, trained for 55 minutes on two CPU cores on
+# Python's own standard library, so expect it to write plausible-looking Python and little else. On a GPU node the
+# same notebooks run the real Kimi K2. Terms are explained in the [glossary](GLOSSARY.md).
 #
-# This notebook follows one prompt through the whole pipeline in a dozen steps. Each step has its own notebook:
+# ## The map
+#
+# The whole pipeline, with the tensor shape at every arrow (B prompts of T tokens; K2's sizes, K2-nano's in
+# brackets where they differ):
+#
+# ```mermaid
+# flowchart TB
+#   text["text"] -- "tokenizer (01)" --> ids["ids [B, T]"]
+#   ids -- "embed_tokens" --> x0["residual stream x [B, T, 7168 (128)]"]
+#   x0 --> blk
+#   subgraph blk["one pre-norm block, × 61 (6): 04b"]
+#     direction TB
+#     n1["RMSNorm"] -- "[B, T, 7168]" --> mla["MLA (03): c_Q [B, T, 1536], c_KV [B, T, 512] + k_pe [B, T, 64],<br/>heads [B, T, 64, 192], rotated by RoPE/YaRN (02)"]
+#     mla -- "attn_out [B, T, 7168]" --> a1(("+"))
+#     a1 -- "[B, T, 7168]" --> n2["RMSNorm"]
+#     n2 -- "[B, T, 7168]" --> ffn["block 0: dense SwiGLU<br/>blocks 1-60: router (04) picks 8 of 384 [B, T, 8],<br/>experts [B, T, 8, 7168] + shared expert"]
+#     ffn -- "mlp_out [B, T, 7168]" --> a2(("+"))
+#   end
+#   blk -- "x [B, T, 7168]" --> norm["final RMSNorm"]
+#   norm -- "[B, T, 7168]" --> head["lm_head (06)"]
+#   head -- "logits [B, T, 163840 (8192)]" --> next["next token: softmax, greedy or sampled"]
+# ```
+#
+# This notebook follows one prompt through the pipeline in seven steps. Each step has its own notebook:
 #
 # | notebook | stage |
 # | --- | --- |
@@ -19,19 +42,23 @@
 # | [02 yarn](02_yarn.ipynb) | rotary positions and YaRN's stretch from 4K to 128K tokens |
 # | [03 mla](03_mla.ipynb) | multi-head latent attention, naive and absorbed, and its small KV cache |
 # | [04 router](04_router.ipynb) | how the sigmoid router with its correction bias picks experts |
+# | [04b block](04b_block.ipynb) | the pre-norm block by hand: RMSNorm, residuals, SwiGLU, shared expert, MoE combine |
 # | [05 expert load](05_expert_load.ipynb) | load balance, specialisation and co-activation of the experts |
 # | [06 logits](06_logits.ipynb) | from the residual stream to the next token: logit lens and attribution |
 # | [07 interventions](07_interventions.ipynb) | ablate experts, force routes, edit the bias, patch activations |
 # | [08 scale](08_scale.ipynb) | the real K2's parameters, bytes and memory; streaming experts |
 # | [09 full model](09_full_model.ipynb) | the full K2 with probes, on a GPU node |
 # | [10 training](10_training.ipynb) | how K2-nano was trained: MuonClip, QK-Clip, bias balancing |
+#
+# Every notebook ends with exercises (predict, then run; change a knob; write a piece yourself, checked by
+# `k2lab.lab.exercises`), and their solutions in collapsed cells.
 
 # %% [markdown]
 # ## The model
 #
 # The next cell is the lab's *parameter cell*. By default it loads K2-nano on the CPU. To run this notebook on
 # the real model, start Jupyter with environment variables such as
-# `K2LAB_MODEL=moonshotai/Kimi-K2-Instruct K2LAB_DEVICE_MAP=auto` (see `k2lab/lab.py` for all of them).
+# `K2LAB_MODEL=moonshotai/Kimi-K2-Instruct K2LAB_DEVICE_MAP=auto` (see `k2lab/lab/settings.py` for all of them).
 
 # %% tags=["parameters"]
 from k2lab import lab
@@ -63,15 +90,17 @@ for name in fields:
 # %% [markdown]
 # ## 1. Text to tokens
 #
-# The tokenizer cuts text into pieces by a regular expression, then merges bytes into tokens by byte-pair
-# encoding. Each coloured box below is one token, its id underneath ([01 tokens](01_tokens.ipynb)).
+# The tokenizer cuts text into pieces by a regular expression, then merges bytes into tokens by
+# [byte-pair encoding](GLOSSARY.md#bpe). Each coloured box below is one token, its id underneath
+# ([01 tokens](01_tokens.ipynb)). The prompt is the lab's running one, `lab.PROMPT`: notebooks 00 to 07 all follow
+# it, so one token's attention, experts and logits can be compared from lesson to lesson.
 
 # %%
 from IPython.display import HTML
 
 from k2lab import viz
 
-prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return'
+prompt = lab.PROMPT
 ids = torch.tensor([tok.encode(prompt)])  # [B=1, T]
 tokens = [tok.id_to_piece(i) for i in ids[0].tolist()]
 print(f"{len(prompt)} characters -> {ids.shape[1]} tokens")
@@ -82,7 +111,8 @@ HTML(viz.tokens_html(tok.pieces(prompt)))
 #
 # The model embeds the ids into vectors of width D, sends them through the blocks and reads the next-token logits
 # off the last one. Every stage has a named *probe*; `run_with_cache` records them all in one pass (this is how
-# the rest of the lab looks inside). The residual stream keeps its shape [B, T, D] from the embedding to the end:
+# the rest of the lab looks inside). The [residual stream](GLOSSARY.md#residual-stream) keeps its shape [B, T, D]
+# from the embedding to the end:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -95,8 +125,8 @@ for name in ["embed_tokens.hook_out", "layers.1.self_attn.hook_kv_latent",
 # %% [markdown]
 # ## 3. Attention through a latent
 #
-# MLA compresses what each token offers to later tokens into one small latent vector (512 numbers in K2) plus
-# one 64-number rotary key shared by all heads. Only these are cached while generating: 70,272 bytes per token
+# [MLA](GLOSSARY.md#mla) compresses what each token offers to later tokens into one small
+# [latent](GLOSSARY.md#latent) vector (512 numbers in K2) plus one 64-number rotary key shared by all heads. Only these are cached while generating: 70,272 bytes per token
 # for all of K2's 61 layers, against 2.4 MiB if every head's keys and values were cached
 # ([03 mla](03_mla.ipynb)).
 
@@ -111,7 +141,8 @@ print(f"{per_token:,} bytes per token here; K2: {k2lab.kv_cache_bytes(k2, 1):,} 
 # %% [markdown]
 # ## 4. The router picks experts
 #
-# In every MoE block a router scores all experts for each token and keeps the top k. Here is what the prompt's
+# In every [MoE](GLOSSARY.md#moe) block a [router](GLOSSARY.md#router) scores all experts for each token and keeps
+# the top k. Here is what the prompt's
 # last token chose in each layer, with the weights its experts' outputs were mixed by
 # ([04 router](04_router.ipynb)):
 
@@ -139,7 +170,8 @@ for p, i in zip(top.values.tolist(), top.indices.tolist(), strict=True):
 # %% [markdown]
 # ## 6. What each layer was thinking: the logit lens
 #
-# Reading every layer's residual through the final norm and head shows the guess taking shape layer by layer.
+# Reading every layer's residual through the final norm and head ([logit lens](GLOSSARY.md#logit-lens)) shows the
+# guess taking shape layer by layer.
 # Each cell is a layer's top guess for the token after that position.
 
 # %% tags=["nbval-ignore-output"]
@@ -149,14 +181,80 @@ viz.cache_logit_lens_figure(cache, tok.id_to_piece, tokens)  # the last 16 posit
 # ## 7. Generating through the latent cache
 #
 # `k2lab.generate` runs the prompt once (prefill), then one token per step, each step reading the cached
-# latents instead of recomputing the past.
+# latents instead of recomputing the past. It decodes [greedily](GLOSSARY.md#greedy-decoding) by default.
 
 # %%
 out = k2lab.generate(model, ids, max_new_tokens=24)  # greedy
 print(prompt + tok.decode(out[0, ids.shape[1]:]))
 
 # %% [markdown]
+# K2-nano continues the prompt in Python's style, but look at what it writes: after a few plausible tokens, greedy
+# decoding in a model this small tends to repeat itself (a name, a line, a `return` pattern). Once a phrase has
+# appeared twice, repeating it once more is the most likely continuation, and greedy decoding always takes the most
+# likely one. A 6.6 M-parameter model trained for 55 minutes has little else to go on; sampling (exercise 2) breaks
+# the loops, at the cost of sense.
+#
 # ## Where next
 #
 # Start with [01 tokens](01_tokens.ipynb) and go in order, or jump to the stage you care about. For the real
 # model's numbers (parameters, bytes, GPUs), see [08 scale](08_scale.ipynb).
+#
+# ## Exercises
+#
+# **1. Predict, then run.** K2-nano caches (kv_lora_rank + qk_rope_head_dim) = 32 + 16 values per token per layer,
+# in float32, over 6 layers. How many bytes per token is that, and how many for this prompt? Work it out, then
+# compare with `kv.nbytes` above.
+#
+# **2. Change a knob.** Generate 24 tokens with `temperature=0.8, seed=0`, then with `temperature=0.8, seed=1`.
+# Predict: do the greedy loops survive sampling?
+
+# %%
+# your code here: k2lab.generate(model, ids, max_new_tokens=24, temperature=0.8, seed=0)
+
+# %% [markdown]
+# **3. Write it yourself: greedy decoding.** Without the cache: run the model on the ids, take the argmax of the
+# last position's logits, append it, repeat. `check_greedy` compares your tokens with `k2lab.generate`'s.
+
+# %%
+from k2lab.lab import exercises
+
+
+def my_greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """ids [1, T] -> [1, T + new_tokens]"""
+    raise NotImplementedError
+
+
+print(exercises.check_greedy(my_greedy, model, ids))
+
+# %% [markdown]
+# ## Solutions
+#
+# **1.** (32 + 16) values × 4 bytes × 6 layers = 1,152 bytes per token; times the prompt's tokens:
+
+# %% tags=["solution"]
+cfg = model.config
+per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * model.dtype.itemsize * len(model.layers)
+print(f"{per_token:,} bytes per token x {ids.shape[1]} tokens = {per_token * ids.shape[1]:,}; kv.nbytes = {kv.nbytes:,}")
+
+# %% [markdown]
+# **2.** Sampling draws each token from the softmax instead of taking its maximum, so a loop is broken as soon as
+# a less likely token is drawn; the text wanders instead.
+
+# %% tags=["solution"]
+for seed in (0, 1):
+    sampled = k2lab.generate(model, ids, max_new_tokens=24, temperature=0.8, seed=seed)
+    print(f"seed {seed}: {tok.decode(sampled[0, ids.shape[1]:])!r}")
+
+# %% [markdown]
+# **3.** Each step runs the whole sequence again (the cache exists to avoid exactly that):
+
+# %% tags=["solution"]
+def my_greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    for _ in range(new_tokens):
+        next_id = model(ids)[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+        ids = torch.cat([ids, next_id], dim=1)
+    return ids
+
+
+assert exercises.check_greedy(my_greedy, model, ids)
+print(exercises.check_greedy(my_greedy, model, ids))

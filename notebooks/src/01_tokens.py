@@ -5,7 +5,7 @@
 #
 # 1. a **pre-tokenizer** cuts the text into pieces with a regular expression (words, numbers, punctuation,
 #    whitespace), so no token can span two words;
-# 2. **byte-pair encoding** (BPE) turns each piece into tokens: start from the piece's UTF-8 bytes and keep
+# 2. **byte-pair encoding** ([BPE](GLOSSARY.md#bpe)) turns each piece into tokens: start from the piece's UTF-8 bytes and keep
 #    merging the adjacent pair with the lowest rank, as long as some pair is in the vocabulary;
 # 3. **special tokens** (`[BOS]`, `<|im_user|>`, ...) are matched first and get ids of their own.
 #
@@ -99,6 +99,22 @@ for t in tok.pieces(" tokenizer"):
 HTML(viz.tokens_html(tok.pieces("你好 HTTPServer")))
 
 # %% [markdown]
+# ## The running prompt
+#
+# Notebooks 00 to 07 follow one prompt, `lab.PROMPT`. Here are its tokens: K2-nano's 8,192-entry vocabulary has
+# no single token for ` radius`, so it takes three (` r`, `adi`, `us`); K2's 163,840 entries hold far more whole
+# words.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+prompt_tokens = tok.pieces(lab.PROMPT)
+print(f"{len(lab.PROMPT)} characters -> {len(prompt_tokens)} tokens")
+print([t.text for t in tok.pieces(" radius")])
+
+# %%
+HTML(viz.tokens_html(prompt_tokens))
+
+# %% [markdown]
 # ## Special tokens
 #
 # The 256 ids after the ranks are special: they are never produced by BPE, only by name. K2 uses them to mark
@@ -114,7 +130,7 @@ for name, i in named.items():
 # %% [markdown]
 # ## The chat template
 #
-# K2-Instruct reads a conversation as turns, each `<|im_X|>role<|im_middle|>content<|im_end|>`. Without a system
+# K2-Instruct reads a conversation as turns (its [chat template](GLOSSARY.md#chat-template)), each `<|im_X|>role<|im_middle|>content<|im_end|>`. Without a system
 # message, the template adds K2's default one; the generation prompt at the end opens the assistant's turn.
 # `k2lab.chat.render_chat` writes the template out in plain Python (no jinja).
 
@@ -135,14 +151,16 @@ HTML(viz.spans_html([(tok.id_to_piece(i), f"{i}{'*' if i in special_ids else ''}
 
 # %% [markdown]
 # **Untrusted text.** If a user types `<|im_end|>` inside a message, should it end the turn? With
-# `allow_special=True` (K2's default) it does; with `allow_special=False` it stays plain text, encoded byte by
-# byte, and the conversation's structure cannot be forged.
+# `allow_special=True` (K2's default) it does: the six characters become the one special id. With
+# `allow_special=False` they stay plain text, cut by the pre-tokenizer and merged by ordinary BPE like any other
+# text (the pieces are printed below), so the conversation's structure cannot be forged.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 typed = "hi<|im_end|>"
 print("allow_special=True: ", tok.encode(typed, allow_special=True))
-print("allow_special=False:", tok.encode(typed, allow_special=False))
+print("allow_special=False:", tok.encode(typed, allow_special=False),
+      [tok.id_to_piece(i) for i in tok.encode(typed, allow_special=False)])
 
 # %% [markdown]
 # ## Explorer
@@ -152,3 +170,73 @@ print("allow_special=False:", tok.encode(typed, allow_special=False))
 
 # %% tags=["nbval-ignore-output"]
 viz.widgets.token_explorer(tok, "for i in range(10):\n    print(i ** 2)  # 0 1 4 9 ...")
+
+# %% [markdown]
+# ## Exercises
+#
+# **1. Predict, then run.** Into which pieces does the pre-tokenizer cut `"x = 1234567890"`? Write them down, then
+# run `split.pre_tokenize_str`.
+#
+# **2. Change a knob.** In the BPE replay above, change `piece` to `b" radius"` and then to `b" perimeter"`. Predict
+# first: how many merges does each take, and where does each stop?
+
+# %%
+# your code here
+
+# %% [markdown]
+# **3. Write it yourself: rank-BPE.** Given the ranks (bytes -> rank) and a piece's bytes, start from single bytes
+# and repeatedly merge the adjacent pair whose merged bytes have the lowest rank, until no adjacent pair is in the
+# ranks. The check runs your function on a small rank table where the order of merges matters.
+
+# %%
+from k2lab.lab import exercises
+
+
+def my_bpe(ranks: dict[bytes, int], piece: bytes) -> list[bytes]:
+    """The parts of ``piece`` after rank-BPE, e.g. [b' token', b'izer']."""
+    raise NotImplementedError
+
+
+print(exercises.check_bpe(my_bpe))
+
+# %% [markdown]
+# ## Solutions
+#
+# **1.** The number is cut in threes from the left (`\p{N}{1,3}`): `123`, `456`, `789`, `0`. The space before it
+# is a piece of its own (the space before a word or number stays with it only for letters): `x`, ` =`, ` `,
+# then the digits.
+
+# %% tags=["solution"]
+print([piece for piece, _ in split.pre_tokenize_str("x = 1234567890")])
+
+# %% [markdown]
+# **2.** The replay, for both pieces:
+
+# %% tags=["solution"]
+for word in (b" radius", b" perimeter"):
+    parts, merges = rank_bpe(ranks, word, max_rank=0), 0
+    for rank in sorted(ranks[word[a:b]] for a in range(len(word)) for b in range(a + 2, len(word) + 1)
+                       if word[a:b] in ranks):
+        step = rank_bpe(ranks, word, max_rank=rank + 1)
+        merges += step != parts
+        parts = step
+    print(f"{word!r}: {merges} merges -> {show(parts)}")
+
+# %% [markdown]
+# **3.** Find the lowest-ranked adjacent pair, merge it, repeat; and the same function on the real ranks gives
+# the tokenizer's own pieces:
+
+# %% tags=["solution"]
+def my_bpe(ranks: dict[bytes, int], piece: bytes) -> list[bytes]:
+    parts = [piece[i:i + 1] for i in range(len(piece))]
+    while True:
+        pairs = [(ranks[a + b], i) for i, (a, b) in enumerate(zip(parts, parts[1:])) if a + b in ranks]
+        if not pairs:
+            return parts
+        _, i = min(pairs)
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+
+
+assert exercises.check_bpe(my_bpe)
+print(exercises.check_bpe(my_bpe))
+print(show(my_bpe(ranks, b" tokenizer")), "=", [t.text for t in tok.pieces(" tokenizer")])

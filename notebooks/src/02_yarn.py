@@ -1,7 +1,8 @@
 # %% [markdown]
 # # 02 · Positions: RoPE and YaRN
 #
-# Attention by itself does not know where tokens are. K2 tells it with **rotary position embeddings** (RoPE):
+# Attention by itself does not know where tokens are. K2 tells it with **rotary position embeddings**
+# ([RoPE](GLOSSARY.md#rope)):
 # each query and key carries R = 64 *rotary features*, read as 32 pairs. At position p, pair i is rotated by the
 # angle p·θ_i, with
 #
@@ -39,7 +40,8 @@ for i in (0, 1, 19, 20, 31):
 # %% [markdown]
 # ## YaRN: stretch only what needs stretching
 #
-# To serve 131,072 positions (32 times more), YaRN (Peng et al., 2023) changes the frequencies by pair:
+# To serve 131,072 positions (32 times more), [YaRN](GLOSSARY.md#yarn) (Peng et al., 2023) changes the frequencies
+# by pair:
 #
 # * pairs that turn more than β_fast times within the original context keep their frequency (interpolating them
 #   would blur the fine position information they carry);
@@ -77,7 +79,7 @@ viz.yarn_figure(rope.inverse_frequencies(plain), rope.inverse_frequencies(k2), r
                 title="Kimi K2: RoPE wavelengths before and after YaRN (s = 32)")
 
 # %% [markdown]
-# ## The temperature: mscale and the softmax scale
+# ## The temperature: mscale and the [softmax scale](GLOSSARY.md#softmax-scale)
 #
 # Stretching positions flattens attention a little, so YaRN sharpens it back with a temperature
 # m = 0.1·ln(s) + 1. The release does this in two places that partly cancel:
@@ -117,3 +119,79 @@ nano = K2Config.nano()
 print("nano (low, high):", rope.yarn_correction_range(nano),
       " ramp:", [round(g, 2) for g in rope.yarn_ramp(nano).tolist()])
 print(f"nano softmax scale: {nano.softmax_scale:.7f} (= {nano.qk_head_dim}^-0.5 * m^2)")
+
+# %% [markdown]
+# ## Exercises
+#
+# **1. Predict, then run.** K2-Instruct-0905 serves 262,144 positions with YaRN factor 64 instead of 32. Does the
+# larger factor change *which* pairs are stretched? What does it change? Predict, then compare
+# `rope.yarn_correction_range` and `softmax_scale` of `k2.replace(rope_factor=64.0)` with K2's.
+#
+# **2. Change a knob.** Set `beta_fast=32.0` (the YaRN paper's default) in `k2.replace(...)` and print the ramp.
+# Before you run it: which end of the ramp moves, and towards faster or slower pairs?
+
+# %%
+# your code here
+
+# %% [markdown]
+# **3. Write it yourself: the rotation.** Rotate each pair of features (x_i, x_{i+R/2}) of every row by the angle
+# position × inv_freq[i]:
+#
+# $$\begin{pmatrix} x_i' \\ x_{i+R/2}' \end{pmatrix} =
+#   \begin{pmatrix} \cos\phi & -\sin\phi \\ \sin\phi & \cos\phi \end{pmatrix}
+#   \begin{pmatrix} x_i \\ x_{i+R/2} \end{pmatrix}, \qquad \phi = p\,\theta_i .$$
+#
+# (This is the "rotate-half" layout. The checkpoint stores each pair as neighbours (x_0, x_1), ...; k2lab
+# de-interleaves them first, then rotates as here.) Then use your function to see the point of RoPE: the dot product
+# of a rotated query at position p and a rotated key at position q depends only on p − q.
+
+# %%
+import torch
+
+from k2lab.lab import exercises
+
+
+def my_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x [T, R], positions [T] (integers), inv_freq [R/2] -> [T, R]"""
+    raise NotImplementedError
+
+
+print(exercises.check_rotation(my_rotate))
+
+# %% [markdown]
+# ## Solutions
+#
+# **1.** The range depends only on β and the original context (4,096), so the same pairs 20..31 are stretched;
+# they are divided by 64 instead of 32, and m, hence the softmax scale, grows.
+
+# %% tags=["solution"]
+k2_0905 = k2.replace(rope_factor=64.0, max_position_embeddings=262_144)
+print(f"factor 32: range {rope.yarn_correction_range(k2)}, softmax scale {k2.softmax_scale:.5f}")
+print(f"factor 64: range {rope.yarn_correction_range(k2_0905)}, softmax scale {k2_0905.softmax_scale:.5f}")
+
+# %% [markdown]
+# **2.** A larger β_fast asks the kept pairs to turn more often within 4,096 positions, so fewer pairs qualify: the
+# start of the ramp moves to faster pairs (lower indices), and the ramp now spans several pairs.
+
+# %% tags=["solution"]
+print("beta_fast = 32:", rope.yarn_correction_range(k2.replace(beta_fast=32.0)),
+      [round(g, 2) for g in rope.yarn_ramp(k2.replace(beta_fast=32.0)).tolist()])
+
+# %% [markdown]
+# **3.** Split the features into the two halves, rotate, concatenate; then two positions with the same distance
+# give the same score:
+
+# %% tags=["solution"]
+def my_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    angles = positions[:, None].float() * inv_freq  # [T, R/2]
+    a, b = x.chunk(2, dim=-1)  # the pairs' first and second features
+    return torch.cat([a * angles.cos() - b * angles.sin(), a * angles.sin() + b * angles.cos()], dim=-1)
+
+
+assert exercises.check_rotation(my_rotate)
+print(exercises.check_rotation(my_rotate))
+inv_freq = rope.inverse_frequencies(nano)
+q, k = torch.randn(2, nano.qk_rope_head_dim, generator=torch.Generator().manual_seed(0)).chunk(2)
+score = lambda p, s: (my_rotate(q, torch.tensor([p]), inv_freq) @ my_rotate(k, torch.tensor([s]), inv_freq).T).item()  # noqa: E731
+print(f"score(10, 7) = {score(10, 7):.4f}, score(1010, 1007) = {score(1010, 1007):.4f}, "
+      f"score(10, 3) = {score(10, 3):.4f}")

@@ -11,10 +11,15 @@
 # 5. **weights** w = s[idx] / Σ s[idx] × 2.827: the chosen experts' *affinities*, renormalised and scaled by the
 #    `routed_scaling_factor`. The bias is not in the weights.
 #
-# The bias is how K2 balances its experts without an auxiliary loss: during training an overloaded expert's bias
-# is lowered a little after each step, an idle one's raised, so the choice shifts while the weights (and the
-# gradient) stay those of the affinities. A consequence for analysis: **sorting the logits does not tell you
-# which experts a token used**; only the choice scores do.
+# The bias balances the experts' load. **What the sources say:** DeepSeek-V3's report, which introduced it, trains
+# the bias outside the gradient: after each step an overloaded expert's bias is lowered by a small step u and an
+# underloaded one's raised, so the choice shifts while the weights (and the gradient) stay those of the
+# affinities; DeepSeek-V3 adds a sequence-wise balance loss with a very small weight. **Kimi K2's report does not
+# describe how its bias was updated**; its released `config.json` carries `aux_loss_alpha: 0.001` and
+# `seq_aux: true`, the names DeepSeek-V3's code gives that sequence-wise loss. K2-nano was trained with
+# DeepSeek-V3's bias rule and no auxiliary loss ([10](10_training.ipynb)). A consequence for analysis, whatever
+# the training: **sorting the logits does not tell you which experts a token used**; only the choice scores do.
+# Terms: [affinity](GLOSSARY.md#affinity), [correction bias](GLOSSARY.md#correction-bias).
 
 # %% tags=["parameters"]
 from k2lab import lab
@@ -27,14 +32,13 @@ print(about)
 # %% [markdown]
 # ## One token, stage by stage
 #
-# We record the router probes (`layers.{i}.mlp.gate.hook_*`) for a prompt and follow its last token through the
-# last MoE layer.
+# We record the router probes (`layers.{i}.mlp.gate.hook_*`) for the lab's running prompt and follow its last token
+# (the one that must predict ` radius`) through the last MoE layer.
 
 # %%
 import torch
 
-prompt = "class Stack:\n    def push(self, item):\n        self.items.append(item)"
-ids = torch.tensor([tok.encode(prompt)])  # [B=1, T]
+ids = torch.tensor([tok.encode(lab.PROMPT)])  # [B=1, T]
 tokens = [tok.id_to_piece(i) for i in ids[0].tolist()]
 _, cache = model.run_with_cache(ids, names=".mlp.gate.")
 layer = len(model.layers) - 1
@@ -67,6 +71,36 @@ print("top-k of the logits:       ", sorted(by_logits.tolist()))
 print("the router's own choice:   ", sorted(cache[g + "hook_topk_idx"][0, -1].tolist()))
 
 # %% [markdown]
+# ### Sigmoid against softmax, on the same logits
+#
+# Mixtral, OLMoE and DeepSeek-V2 turn the router logits into a softmax; K2 (like DeepSeek-V3) uses a sigmoid per
+# expert. Both are increasing functions of the logit, so on their own they choose the same top-k. What differs:
+#
+# * softmax scores compete: they sum to 1 over all E experts, so one expert's score depends on every other logit;
+#   sigmoid scores are each in (0, 1), independent of the others;
+# * after renormalising over the chosen k, softmax weights depend only on the *differences* of the chosen logits
+#   (e^{l_i} / Σ e^{l_j}), while sigmoid weights also depend on where the logits sit: shifting every logit up by
+#   the same amount changes them.
+
+# %%
+softmax = logits.softmax(-1)  # [E]
+best = logits.topk(gate.top_k).indices  # [k] the same for sigmoid and softmax: both are monotone
+renorm = lambda v: v[best] / v[best].sum() * gate.scaling  # noqa: E731  weights over the chosen k
+print(f"sum over all {logits.shape[0]} experts: sigmoid {s.sum().item():.2f}, softmax {softmax.sum().item():.2f}")
+print(f"{'expert':>6}{'logit':>8}{'sigmoid':>9}{'softmax':>9}{'w sigmoid':>11}{'w softmax':>11}"
+      f"{'w sigmoid, logits + 2':>23}{'w softmax, logits + 2':>23}")
+shifted = logits + 2.0
+for n, e in enumerate(best.tolist()):
+    print(f"{e:>6}{logits[e].item():>8.2f}{s[e].item():>9.3f}{softmax[e].item():>9.3f}"
+          f"{renorm(s)[n].item():>11.3f}{renorm(softmax)[n].item():>11.3f}"
+          f"{renorm(shifted.sigmoid())[n].item():>23.3f}{renorm(shifted.softmax(-1))[n].item():>23.3f}")
+
+# %% [markdown]
+# Read the table: the sigmoid weights are flatter than the softmax ones (a sigmoid saturates, an exponential does
+# not), and shifting every logit by +2 leaves the softmax weights exactly as they were but moves the sigmoid ones.
+# Only with the bias do the two routers choose differently: a bias added to sigmoid scores in (0, 1) can overturn
+# their order, as the next step shows.
+#
 # **Step 5.** The weights come from the affinities s, not from the choice scores, renormalised over the chosen
 # experts and multiplied by the scaling factor, so they always sum to 2.827:
 
@@ -91,18 +125,101 @@ viz.router_token_figure(tr.scores[j, 0, -1], bias, tr.indices[j, 0, -1], tr.weig
                         title=f"Layer {layer}, token {tokens[-1]!r}")
 
 # %% [markdown]
+# ## Only the spread of the bias matters
+#
+# Adding the same number c to every expert's bias adds c to every choice score, which cannot change their order,
+# so top-k picks the same experts; and the weights never contain the bias. Only the *differences* between the
+# biases matter:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from k2lab.analysis.interventions import edit_bias
+
+for c in (-1.0, 0.5, 3.0):
+    print(f"c = {c:+.1f}: same top-k for this token: {torch.equal((choice + c).topk(gate.top_k).indices, idx)}")
+tr = routing.trace(model, ids)
+with edit_bias(model, {i: (lambda b: b + 1.0) for i in tr.layers}):  # every MoE layer, every token
+    shifted_trace = routing.trace(model, ids)
+print("bias + 1 in every layer: same experts for every token:", torch.equal(shifted_trace.indices, tr.indices),
+      "| same weights:", torch.allclose(shifted_trace.weights, tr.weights))
+
+# %% [markdown]
+# K2-nano's biases drifted during training (the balancing rule in [10](10_training.ipynb) moves every bias by ±u,
+# which need not sum to zero), but that drift is invisible to the router: what routes tokens is their spread.
+
+# %%
+for i in tr.layers:
+    b = model.layers[i].mlp.gate.e_score_correction_bias
+    print(f"layer {i}: bias mean {b.mean().item():+.3f} (irrelevant), spread max - min {(b.max() - b.min()).item():.3f}, "
+          f"std {b.std().item():.3f}")
+
+# %% [markdown]
 # ## Bias flips
 #
-# A **flip** is a token whose chosen *set* of experts would differ without the bias. `routing.trace` records the
-# unbiased choice too (the same rule, applied to s alone), so we can count flips per layer:
+# A **[flip](GLOSSARY.md#bias-flip)** is a token whose chosen *set* of experts would differ without the bias.
+# `routing.trace` records the unbiased choice too (the same rule, applied to s alone), so we can count flips per
+# layer, and how many of the k experts the bias swapped:
 
 # %%
 flip_share = tr.bias_flips[:, 0].float().mean(-1)  # [L_moe]
-for i, share, count in zip(tr.layers, flip_share.tolist(), tr.flip_counts.tolist(), strict=True):
-    print(f"layer {i}: {count:>3} of {ids.shape[1]} tokens flipped ({share:.0%})")
+swapped = torch.stack([(~(tr.indices[j, 0][..., :, None] == tr.unbiased_indices[j, 0][..., None, :]).any(-1)).sum(-1)
+                       for j in range(len(tr.layers))]).float()  # [L_moe, T] experts per token the bias replaced
+s_sorted = tr.scores[:, 0].sort(-1, descending=True).values  # [L_moe, T, E]
+k = gate.top_k
+margin = (s_sorted[..., k - 1] - s_sorted[..., k]).median(-1).values  # [L_moe] gap at the k-th place
+for j, i in enumerate(tr.layers):
+    b = model.layers[i].mlp.gate.e_score_correction_bias
+    print(f"layer {i}: {tr.flip_counts[j].item():>3} of {ids.shape[1]} tokens flipped ({flip_share[j]:.0%}), "
+          f"{swapped[j].mean().item():.1f} of {k} experts swapped on average; bias std {b.std().item():.3f} "
+          f"against a median gap of {margin[j].item():.3f} between the k-th and (k+1)-th score")
 
 # %% tags=["nbval-ignore-output"]
 viz.bias_flip_figure(flip_share, tr.layers)
+
+# %% [markdown]
+# How to read this: a flip needs only one of the k experts to change, and the bias changes the choice wherever
+# its differences exceed the gap between the last chosen and the first unchosen affinity. In K2-nano the biases'
+# spread (their std) is 2 to 4 times the typical gap at the k-th place, so in layers 1 to 3 three tokens in four
+# have an expert swapped, usually just one (the last place: the first choices have clear affinities). Layers 4
+# and 5 have smaller bias spreads, and about half their tokens flip. So the bias mostly decides the *last* of
+# the k places; that is what it was trained for: without it a few experts would take most tokens (next section).
+#
+# ## What the bias buys
+#
+# Route a batch of held-out code with the trained bias, then with every bias set to zero, and compare the load
+# balance ([MaxVio](GLOSSARY.md#maxvio), 0 = perfectly even) with the change in the language-model loss (in
+# [nats](GLOSSARY.md#nats) per token):
+
+# %%
+import torch.nn.functional as F
+
+from k2lab.training import corpus
+
+code = tok.encode(corpus.corpus_text("heldout", "code"), allow_special=False)[: 8 * 129]
+batch = torch.tensor(code).view(8, 129)  # [B, T + 1]: inputs and next-token targets
+
+
+def balance_and_loss(bias_edit=None) -> tuple[torch.Tensor, float]:
+    """MaxVio per MoE layer [L_moe] and the mean next-token loss (nats) on the batch, under a bias edit."""
+    with edit_bias(model, bias_edit or {}):
+        logits, routing_cache = model.run_with_cache(batch[:, :-1], names=".mlp.gate.hook_topk_idx")
+    chosen = routing_cache.stack("hook_topk_idx")  # [L_moe, B, T, k]
+    counts = torch.stack([torch.bincount(c.flatten(), minlength=model.config.n_routed_experts) for c in chosen])
+    return routing.max_violation(counts), F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+
+
+vio_with, loss_with = balance_and_loss()
+vio_without, loss_without = balance_and_loss({i: 0.0 for i in tr.layers})
+for i, a, b in zip(tr.layers, vio_with.tolist(), vio_without.tolist(), strict=True):
+    print(f"layer {i}: MaxVio {a:.2f} with the trained bias, {b:.2f} without")
+print(f"loss: {loss_with:.3f} nats/token with the bias, {loss_without:.3f} without ({loss_without - loss_with:+.3f})")
+
+# %% [markdown]
+# With the trained bias the busiest expert of each layer gets at most about twice its fair share (MaxVio up to
+# 1.0); without it, layer 1's busiest expert takes about six times its share (MaxVio 4.9) and others starve, while
+# the loss moves by only about 0.03 nats per token. That is the trade the bias was
+# designed for: balance, which on a real cluster means no GPU waits for an overloaded expert, at almost no cost
+# in quality, because the weights the experts are mixed with never contain the bias.
 
 # %% [markdown]
 # ## Explorer
@@ -131,3 +248,74 @@ print(f"K2: n_group={k2.n_group}, topk_group={k2.topk_group}, top-{k2.num_expert
 print("select_experts reproduces the router:",
       torch.equal(routing.select_experts(tr.choice_scores, gate.top_k, model.config.n_group,
                                          model.config.topk_group), tr.indices))
+
+# %% [markdown]
+# ## Exercises
+#
+# **1. Predict, then run.** Raise one expert's bias in the last MoE layer by +1.0 (with `edit_bias`). What share of
+# the prompt's tokens will choose it? Predict, then count with `routing.trace`.
+#
+# **2. Change a knob.** Scale every MoE layer's bias by 0.5 and by 2 (`edit_bias(model, {i: lambda b: 0.5 * b})`)
+# and measure MaxVio and the loss with `balance_and_loss`. Predict the direction of each before you run.
+
+# %%
+# your code here
+
+# %% [markdown]
+# **3. Write it yourself: the router's five stages.** Logits, sigmoid, + bias for the choice, top-k, weights from
+# s renormalised and scaled. Then run your router on the last MoE layer's real input (its
+# `post_attention_layernorm` of `hook_resid_mid`) and compare with `hook_topk_idx`.
+
+# %%
+from k2lab.lab import exercises
+
+
+def my_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    """x [N, D], weight [E, D], bias [E] -> (idx [N, k], weights [N, k])"""
+    raise NotImplementedError
+
+
+print(exercises.check_router(my_router))
+
+# %% [markdown]
+# ## Solutions
+#
+# **1.** Sigmoid scores lie in (0, 1) and the other biases are small, so +1 lifts the expert above every other
+# choice score: every token chooses it (its weight still comes from its own affinity).
+
+# %% tags=["solution"]
+target = int(tr.indices[tr.row(layer), 0, -1, -1])  # any expert will do; here the last token's k-th choice
+with edit_bias(model, {layer: lambda b: b.index_add(0, torch.tensor([target]), torch.tensor([1.0]))}):
+    boosted = routing.trace(model, ids)
+share = (boosted.indices[boosted.row(layer), 0] == target).any(-1).float().mean().item()
+print(f"expert {target} at layer {layer}: chosen by {share:.0%} of tokens (before: "
+      f"{(tr.indices[tr.row(layer), 0] == target).any(-1).float().mean().item():.0%})")
+
+# %% [markdown]
+# **2.** Halving the bias lets the affinities decide more (MaxVio rises); doubling it overshoots (the formerly
+# idle experts now take too much) and the loss pays more:
+
+# %% tags=["solution"]
+for factor in (0.5, 2.0):
+    vio, loss = balance_and_loss({i: (lambda b, f=factor: f * b) for i in tr.layers})
+    print(f"bias x {factor}: MaxVio {[round(v, 2) for v in vio.tolist()]}, loss {loss:.3f} "
+          f"(trained bias: {[round(v, 2) for v in vio_with.tolist()]}, {loss_with:.3f})")
+
+# %% [markdown]
+# **3.** The five stages, then the real input of the last MoE layer:
+
+# %% tags=["solution"]
+def my_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    s = (x.float() @ weight.float().T).sigmoid()  # [N, E] stages 1-2
+    idx = (s + bias).topk(top_k, dim=-1).indices  # [N, k] stages 3-4: the bias chooses ...
+    w = s.gather(-1, idx)  # ... but the weights come from s
+    return idx, w / w.sum(-1, keepdim=True) * scaling  # stage 5
+
+
+assert exercises.check_router(my_router)
+print(exercises.check_router(my_router))
+_, full = model.run_with_cache(ids, names=lambda n: n.startswith(f"layers.{layer}."))
+h = model.layers[layer].post_attention_layernorm(full[f"layers.{layer}.hook_resid_mid"][0])  # [T, D]
+mine, _ = my_router(h, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.scaling)
+print("same experts as hook_topk_idx for every token:",
+      torch.equal(mine.sort(-1).values, full[f"layers.{layer}.mlp.gate.hook_topk_idx"][0].sort(-1).values))

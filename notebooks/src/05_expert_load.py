@@ -60,9 +60,10 @@ print({name: list(batch.shape) for name, batch in batches.items()},
 # %% [markdown]
 # ## Load
 #
-# K2 balances experts with its correction bias rather than an auxiliary loss. How even is the result? The
-# heatmap shows each expert's load against the uniform share (blue: under-used, red: over-used); the bars show
-# MaxVio, the busiest expert's excess.
+# K2-nano's experts were balanced during training by DeepSeek-V3's correction-bias rule ([04](04_router.ipynb),
+# [10](10_training.ipynb)). How even is the result on text it never saw? The heatmap shows each expert's load
+# against the uniform share (blue: under-used, red: over-used, on a colour range fitted to the data; grey: idle,
+# no tokens at all); the bars show [MaxVio](GLOSSARY.md#maxvio), the busiest expert's excess.
 
 # %%
 counts = routing.expert_counts(traces["code"]) + routing.expert_counts(traces["prose"])  # [L_moe, E]
@@ -195,3 +196,61 @@ entropies = {  # nats, [L_moe, B, T]
 }
 maxima = dict(zip(entropies, [math.log(E), math.log(k)], strict=True))
 viz.entropy_figure(entropies, maxima, layers, title="Router entropy per token on code")
+
+# %% [markdown]
+# ## Exercises
+#
+# **1. Predict, then run.** What is MaxVio for loads [10, 10, 10, 10]? For [40, 0, 0, 0]? For E experts with all
+# tokens on one? Predict, then run `routing.max_violation(torch.tensor([...]))`.
+#
+# **2. Change a knob.** Count only each token's *first* choice: `routing.expert_counts(tr, top=1)`. Predict first:
+# is the first choice more or less balanced than all k choices together?
+
+# %%
+# your code here
+
+# %% [markdown]
+# **3. Write it yourself: MaxVio.** From expert counts [L, E], one value per layer: the busiest expert's load
+# over the mean load, minus 1. Then apply your function to the code and prose counts above.
+
+# %%
+from k2lab.lab import exercises
+
+
+def my_max_violation(counts: torch.Tensor) -> torch.Tensor:
+    """counts [L, E] (integers) -> MaxVio [L]"""
+    raise NotImplementedError
+
+
+print(exercises.check_max_violation(my_max_violation))
+
+# %% [markdown]
+# ## Solutions
+#
+# **1.** 0 when balanced; with everything on one of E experts, max / mean = E, so MaxVio = E − 1 (3 for four
+# experts, 383 for K2's 384).
+
+# %% tags=["solution"]
+print(routing.max_violation(torch.tensor([[10, 10, 10, 10], [40, 0, 0, 0]])).tolist())
+
+# %% [markdown]
+# **2.** The bias balances all k slots together, not the first one: first choices follow the affinities alone, so
+# they are usually less even (the printed MaxVio values are K2-nano's answer).
+
+# %% tags=["solution"]
+first = sum(routing.expert_counts(t, top=1) for t in traces.values())
+print("all k choices:", [round(v, 2) for v in routing.max_violation(counts).tolist()])
+print("first choice: ", [round(v, 2) for v in routing.max_violation(first).tolist()])
+
+# %% [markdown]
+# **3.** Work in floating point (the mean of integers is not an integer):
+
+# %% tags=["solution"]
+def my_max_violation(counts: torch.Tensor) -> torch.Tensor:
+    c = counts.double()
+    return c.amax(-1) / c.mean(-1) - 1
+
+
+assert exercises.check_max_violation(my_max_violation)
+print(exercises.check_max_violation(my_max_violation))
+print("on the held-out counts:", [round(v, 2) for v in my_max_violation(counts).tolist()])

@@ -23,7 +23,7 @@ print(about)
 # NBVAL_CHECK_OUTPUT
 import torch
 
-prompt = "def area(radius):\n    return 3.14159 * radius *"
+prompt = lab.PROMPT  # the running prompt: the next token should start ` radius` again
 ids = torch.tensor([tok.encode(prompt)])  # [B=1, T]
 tokens = [tok.id_to_piece(i) for i in ids[0].tolist()]
 logits, cache = model.run_with_cache(ids)
@@ -70,22 +70,81 @@ for layer, p in enumerate(lens[:, -1, target].tolist()):
 # $$\text{logit} = \sum_{c} \frac{u \cdot (g \odot c)}{\text{rms}(x_L)}, \qquad x_L = \text{embed} + \sum_l \text{attn}_l + \sum_l \text{mlp}_l .$$
 #
 # A term's contribution is how much it pushes the logit *directly*, through the head; it is not what removing the
-# term would change (later layers read it too). `cache.logit_attribution(token)` returns every term projected
-# this way; the terms sum to the logit.
+# term would change (later layers read it too).
+#
+# One logit alone mixes two things: what makes this token likely, and what makes *every* token of its kind likely.
+# Attributing a **logit difference** between the right token and a plausible alternative cancels the shared part
+# and asks the sharper question: what makes the model prefer ` r` (the start of ` radius`) over ` (`, which would
+# also continue `2 * 3.14159 *` as Python? Pass u_right − u_alt as the direction:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-attr = cache.logit_attribution(target, pos=-1)  # every term, projected onto the target's logit
+alternative = tok.encode(" (")[0]
+direction = model.lm_head.weight[target] - model.lm_head.weight[alternative]  # [D]
+ld = (logits[0, -1, target] - logits[0, -1, alternative]).item()
+attr = cache.logit_attribution(direction, pos=-1)  # every term, projected onto the direction
 labels, values = attr.components(split_moe=True)  # [C] labels, [C, B]
-print(f"{len(labels)} terms; they sum to the logit: "
-      f"{torch.allclose(values.sum(0), logits[:, -1, target], atol=1e-3)}")
+print(f"logit difference {tok.id_to_piece(target)!r} - {tok.id_to_piece(alternative)!r} = {ld:.2f}; "
+      f"{len(labels)} terms sum to it: {abs(values.sum().item() - ld) < 1e-3}")
 
 # %% tags=["nbval-ignore-output"]
-target_name = f"the logit of {tok.id_to_piece(target)!r}"
+target_name = f"logit({tok.id_to_piece(target)!r}) − logit({tok.id_to_piece(alternative)!r})"
 viz.attribution_figure(labels, values[:, 0], x_title=f"contribution to {target_name}",
                        title="Direct logit attribution by layer: attention, shared and routed experts")
 
+# %%
+order = values[:, 0].abs().argsort(descending=True)
+for n in order[:5].tolist():
+    print(f"{labels[n]:<10} {values[n, 0].item():+.2f}")
+
 # %% [markdown]
+# ## Following the largest attribution down
+#
+# Take the largest *attention* term (for this prompt in K2-nano it is also among the largest of all) and split it
+# twice. First by head: the attention output is o_proj applied to the heads' outputs z_h side by side, so it is a
+# sum over heads, W_O,h z_h, and each head's write can be attributed like any term.
+
+# %%
+x_last = cache[f"layers.{len(model.layers) - 1}.hook_resid_post"][0, -1]  # [D] x_L at the last position
+rms_x = (x_last.pow(2).mean() + model.norm.eps).sqrt()
+dla = lambda write: (direction * model.norm.weight * write).sum(-1) / rms_x  # noqa: E731  [..., D] -> [...]
+attn_terms = [n for n in order.tolist() if labels[n].endswith(".attn")]
+layer = int(labels[attn_terms[0]].split(".")[0][1:])
+attn = model.layers[layer].self_attn
+H, V = attn.num_heads, attn.v_dim
+z = cache[f"layers.{layer}.self_attn.hook_z"][0, -1]  # [H, V] each head's output at the last position
+w_o = attn.o_proj.weight.view(-1, H, V)  # [D, H, V]
+per_head = dla(torch.einsum("dhv,hv->hd", w_o, z))  # [H]
+print(f"L{layer}.attn = {values[attn_terms[0], 0].item():+.2f}; by head: "
+      + ", ".join(f"h{h} {v:+.2f}" for h, v in enumerate(per_head.tolist()))
+      + f" (sum {per_head.sum().item():+.2f})")
+head = int(per_head.abs().argmax())
+
+# %% [markdown]
+# Then the head by source position: its output is a weighted sum over the positions it attends to,
+# z_h = Σ_s p_s v_{h,s}, with v_{h,s} = W_UV,h c_s rebuilt from the cached latent. So each source token's share of
+# the head's contribution is p_s · DLA(W_O,h v_{h,s}):
+
+# %%
+p_row = cache[f"layers.{layer}.self_attn.hook_pattern"][0, head, -1]  # [S] where the last query looks
+c_kv = cache[f"layers.{layer}.self_attn.hook_kv_latent"][0]  # [S, C]
+w_uv = attn.kv_b_proj.weight.view(H, attn.nope_dim + V, -1)[head, attn.nope_dim:]  # [V, C]
+per_source = p_row * dla((c_kv @ w_uv.T) @ w_o[:, head].T)  # [S]
+print(f"L{layer}.h{head}: {per_head[head].item():+.2f} = sum over sources {per_source.sum().item():+.2f}; "
+      f"the largest:")
+for s_pos in per_source.abs().argsort(descending=True)[:5].tolist():
+    print(f"  position {s_pos:>2} {tokens[s_pos]!r:<10} attention {p_row[s_pos].item():.2f}  "
+          f"contribution {per_source[s_pos].item():+.2f}")
+
+# %% [markdown]
+# Read the chain from the printout. In K2-nano, layer 4's attention is the largest term (+3.9, more than the whole
+# difference of 2.98, which other terms pull back), about four fifths of it from head 0; and that head spends 80%
+# of its attention at the last position on the two earlier ` r` tokens (positions 16 and 20, the starts of
+# ` radius` in `radius * radius`), which supply nearly all of its push. The head *copies* the argument's name
+# forward: the mechanism one would guess for "the next token repeats a name from the prompt", now seen in the
+# weights. Attribution says where the push was written; [07](07_interventions.ipynb) tests whether it is
+# *needed*, by removing things.
+#
 # ## By expert
 #
 # Each MoE layer's routed part is itself a sum over the k chosen slots, weight × expert output. Here are the
@@ -93,10 +152,10 @@ viz.attribution_figure(labels, values[:, 0], x_title=f"contribution to {target_n
 
 # %%
 rows = []
-for j, layer in enumerate(attr.moe_layers):
+for j, moe_layer in enumerate(attr.moe_layers):
     for slot in range(attr.expert_ids.shape[-1]):
         expert = int(attr.expert_ids[j, 0, slot])
-        rows.append((f"L{layer} expert {expert}", attr.expert_slots[j, 0, slot].item()))
+        rows.append((f"L{moe_layer} expert {expert}", attr.expert_slots[j, 0, slot].item()))
 strongest = max(rows, key=lambda row: abs(row[1]))
 print(f"largest single-expert contribution: {strongest[0]} ({strongest[1]:+.3f})")
 largest = sorted(range(len(rows)), key=lambda n: -abs(rows[n][1]))[:24]  # all of K2-nano's 20 slots
@@ -127,3 +186,72 @@ print("same tokens with and without the cache:", torch.equal(fast, slow[:, : fas
 
 # %%
 print(prompt + tok.decode(fast[0, ids.shape[1]:]))
+
+# %% [markdown]
+# The continuation is right for a token or two, then [greedy decoding](GLOSSARY.md#greedy-decoding) loops
+# (` * radius` again and again): K2-nano is a 6.6 M-parameter model, and once a phrase repeats, repeating it
+# again is its most likely next step ([00](00_tour.ipynb) shows sampling breaking the loop).
+
+# %% [markdown]
+# ## Exercises
+#
+# **1. Predict, then run.** Look at the logit lens figure again. At which layer does ` r` first become the top
+# guess at the last position? Predict from the figure, then print `lens[:, -1].argmax(-1)` as tokens.
+#
+# **2. Change a knob.** Replace the alternative ` (` by ` ` (a space, the model's second guess) and redo the
+# attribution. Which terms keep their sign, and which flip? What does that say about what each term "knows"?
+
+# %%
+# your code here
+
+# %% [markdown]
+# **3. Write it yourself: one term's direct attribution.** Given a term c, the final residual x_L, the final
+# norm's weight g, a head row (or a difference of rows) u and eps, return u · (g ⊙ c) / rms(x_L). Then use it to
+# reproduce the embedding's contribution above from `cache["embed_tokens.hook_out"]`.
+
+# %%
+from k2lab.lab import exercises
+
+
+def my_attribution(component, x_final, norm_weight, unembed_row, eps) -> float:
+    """component, x_final, norm_weight, unembed_row: [D] -> the component's direct contribution (a float)"""
+    raise NotImplementedError
+
+
+print(exercises.check_logit_attribution(my_attribution))
+
+# %% [markdown]
+# ## Solutions
+#
+# **1.** Only the last layer: through layer 4 the top guess is a space (p(` r`) is 0.075 after layer 4), and ` r`
+# wins after layer 5. Layer 4's copying head has written its push by then, but the stream still favours other
+# tokens until layer 5 adds its own.
+
+# %% tags=["solution"]
+guesses = [tok.id_to_piece(i) for i in lens[:, -1].argmax(-1).tolist()]
+print("top guess at the last position, layer by layer:", guesses)
+
+# %% [markdown]
+# **2.** Against a space the large terms keep their signs and roughly their sizes: they push ` r` itself (the
+# copied name) rather than against one particular rival. The attribution against each alternative, term by term:
+
+# %% tags=["solution"]
+space = tok.encode(" ")[0]
+against_space = cache.logit_attribution(model.lm_head.weight[target] - model.lm_head.weight[space], pos=-1)
+_, values_space = against_space.components(split_moe=True)
+for n in order[:6].tolist():
+    print(f"{labels[n]:<10} vs ' (' {values[n, 0].item():+.2f}   vs ' ' {values_space[n, 0].item():+.2f}")
+
+# %% [markdown]
+# **3.** Divide by the rms of the *whole* final residual, the same for every term:
+
+# %% tags=["solution"]
+def my_attribution(component, x_final, norm_weight, unembed_row, eps) -> float:
+    rms = torch.sqrt(x_final.pow(2).mean() + eps)
+    return float((unembed_row * norm_weight * component).sum() / rms)
+
+
+assert exercises.check_logit_attribution(my_attribution)
+print(exercises.check_logit_attribution(my_attribution))
+embed = my_attribution(cache["embed_tokens.hook_out"][0, -1], x_last, model.norm.weight, direction, model.norm.eps)
+print(f"embedding: mine {embed:+.4f}, k2lab {values[labels.index('embed'), 0].item():+.4f}")

@@ -9,7 +9,10 @@
 # | `ablate_experts(model, {layer: [experts]}, mode)` | removes routed experts, in one of three modes |
 # | `force_route(model, {layer: [experts]}, positions)` | chooses the experts yourself |
 # | `edit_bias(model, {layer: bias})` | replaces the correction bias, moving tokens between experts |
-# | `patch(model, source_cache, names, positions)` | copies activations from another run (activation patching) |
+# | `patch(model, source_cache, names, positions)` | copies activations from another run ([activation patching](GLOSSARY.md#activation-patching)) |
+#
+# The demos use the lab's running prompt, except activation patching, which needs two prompts that differ in one
+# detail.
 
 # %% tags=["parameters"]
 from k2lab import lab
@@ -25,16 +28,16 @@ import torch
 from k2lab import routing, viz
 from k2lab.analysis.interventions import ablate_experts, edit_bias, force_route, patch
 
-prompt = "for key, value in sorted(table.items()):\n    print(key,"
-ids = torch.tensor([tok.encode(prompt)])  # [B=1, T]
-logits = model(ids)
+ids = torch.tensor([tok.encode(lab.PROMPT)])  # [B=1, T]: the running prompt
+logits, cache = model.run_with_cache(ids)
 target = int(logits[0, -1].argmax())
 layer = len(model.layers) - 1  # the last MoE layer
 tr = routing.trace(model, ids)
 chosen = tr.indices[tr.row(layer), 0, -1]  # [k] the last token's experts, best first
 expert = int(chosen[0])
-log_prob = lambda out: out[0, -1].log_softmax(-1)[target].item()
-print(f"prediction {tok.id_to_piece(target)!r}, log p = {log_prob(logits):.3f}; "
+log_prob = lambda out: out[0, -1].log_softmax(-1)[target].item()  # noqa: E731
+prob = lambda out: out[0, -1].softmax(-1)[target].item()  # noqa: E731
+print(f"prediction {tok.id_to_piece(target)!r}, p = {prob(logits):.2f}, log p = {log_prob(logits):.3f}; "
       f"layer {layer} sends the last token to experts {chosen.tolist()}")
 
 # %% [markdown]
@@ -57,7 +60,7 @@ for mode in ("zero", "renormalize", "reroute"):
     mine = idx == expert
     routed[mode] = (bool(mine.any()), w[mine].sum().item(), w[~mine].sum().item())
     print(f"{mode:<12} expert {expert} chosen: {routed[mode][0]!s:<5}  "
-          f"its weight {routed[mode][1]:.2f}  the others' {routed[mode][2]:.2f}")
+          f"its weight {routed[mode][1]:.2f}  the others' {routed[mode][2]:.2f}  change in log p {results[mode]:+.3f}")
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -69,9 +72,28 @@ print("reroute:     expert replaced, the weights sum to 2.827:",
       not routed["reroute"][0] and abs(routed["reroute"][2] - full) < 1e-4)
 
 # %% [markdown]
-# `zero` keeps the expert's weight but zeroes its output (`hook_expert_out` shows zeros in that slot), so the
-# routed part shrinks; `renormalize` gives its weight to the others; `reroute` hands its slot to another expert.
-# The effect of each on the prediction, and of ablating each of the token's other experts (in `reroute` mode):
+# The effect is small. Why, when this is the token's favourite expert? Compare its *direct* push on the target's
+# logit ([06](06_logits.ipynb)'s attribution) with what removing it changes:
+
+# %%
+attr = cache.logit_attribution(target, pos=-1)
+direct = attr.expert_slots[attr.moe_layers.index(layer), 0, 0].item()  # slot 0: the first choice
+with ablate_experts(model, {layer: [expert]}, mode="zero"):
+    out = model(ids)
+others = torch.cat([out[0, -1, :target], out[0, -1, target + 1:]]) - torch.cat(
+    [logits[0, -1, :target], logits[0, -1, target + 1:]])  # [V - 1] every other logit's change
+print(f"expert {expert}'s direct contribution to the logit of {tok.id_to_piece(target)!r}: {direct:+.2f}")
+print(f"removing it changes that logit by {(out - logits)[0, -1, target].item():+.2f}, the other logits by "
+      f"{others.mean().item():+.2f} on average, and log p by {log_prob(out) - log_prob(logits):+.3f}")
+
+# %% [markdown]
+# Two things shrink the effect. The logit moves less than the direct contribution (−0.46 against +0.81), because
+# removing a term also changes the final norm's scale, the rms of x_L that divides every term. And log p
+# saturates: with p = 0.72 the target already holds most of the probability, so lowering its logit lowers the
+# softmax's normaliser almost as much (d log p / d logit = 1 − p = 0.28); the other logits barely move. So the
+# favourite expert of the last layer helps, but the prediction does not hang on it. The ablations of the token's
+# other experts at this layer (`reroute` mode) are smaller still, and some *raise* log p: those experts' own
+# direct pushes on ` r` are weaker than what their replacements bring.
 
 # %%
 for e in chosen.tolist()[1:]:
@@ -88,41 +110,77 @@ viz.attribution_figure(list(results), torch.tensor(list(results.values())),
 # %% [markdown]
 # ## Forcing a route
 #
-# `force_route` overrides the choice: here the last token must use the expert the router liked *least*. The
-# router still weighs the experts it is given by their affinities s (renormalised, × 2.827).
+# `force_route` overrides the choice. Forcing a single expert the router disliked into one slot is close to a
+# no-op *by construction*: the router weighs the experts it is given by their affinities s, and a disliked expert's
+# affinity is small, so its slot gets a small weight (try it in exercise 2). To test whether the router's choice
+# matters, replace **all** k slots with the k experts it liked *least*, for every token: an anti-router. One layer
+# at a time, then all MoE layers at once:
 
 # %%
-least = int(tr.choice_scores[tr.row(layer), 0, -1].argmin())
-with force_route(model, {layer: [least]}, positions=[-1]):
-    forced = routing.trace(model, ids)
-    delta = log_prob(model(ids)) - log_prob(logits)
-j = forced.row(layer)
-print(f"forced expert {least}: chosen {forced.indices[j, 0, -1].tolist()}, "
-      f"weights {[round(w, 3) for w in forced.weights[j, 0, -1].tolist()]}")
-print(f"change in log p: {delta:+.3f}")
+anti_router = lambda idx, choice: choice.topk(idx.shape[-1], dim=-1, largest=False).indices  # noqa: E731
+for i in tr.layers:
+    with force_route(model, {i: anti_router}):
+        out = model(ids)
+    print(f"anti-router at layer {i}:      p({tok.id_to_piece(target)!r}) = {prob(out):.2f}  "
+          f"(top guess {tok.id_to_piece(int(out[0, -1].argmax()))!r})")
+with force_route(model, {i: anti_router for i in tr.layers}):
+    out = model(ids)
+print(f"anti-router in every layer: p({tok.id_to_piece(target)!r}) = {prob(out):.2f}  "
+      f"(top guess {tok.id_to_piece(int(out[0, -1].argmax()))!r}); unchanged: {prob(logits):.2f}")
 
 # %% [markdown]
-# ## Editing the bias
+# In K2-nano one layer of wrong experts costs little, but wrong experts everywhere destroy the prediction: the
+# routed experts matter together, while any one of them (or one layer's choice) can be made up for by the rest of
+# the network. The router's choices are not arbitrary; they are redundant.
 #
-# The correction bias only moves the choice. What does it buy? Route a batch of held-out code with the trained
-# bias, then with every bias set to zero, and compare the load balance (MaxVio, 0 = perfectly even):
+# ## Ablating the head that 06 found
+#
+# [06](06_logits.ipynb) traced the push towards ` r` to layer 4's attention, mostly head 0, which attends to the
+# earlier ` r` tokens. Attribution says where a push was written, not whether the model needs it. Zero each head's
+# output z (`hook_z`) at the last position, one at a time, and watch p(` r`):
 
 # %%
+def zero_head(head: int):
+    """A hook that zeroes one head's output at the last position: z [B, T, H, V]."""
+    def hook(z: torch.Tensor, hook) -> torch.Tensor:
+        z = z.clone()
+        z[:, -1, head] = 0
+        return z
+    return hook
+
+
+H = model.config.num_attention_heads
+p_without = torch.zeros(len(model.layers), H)  # [L, H]
+for i in range(len(model.layers)):
+    for h in range(H):
+        with model.hooks(fwd_hooks=[(f"layers.{i}.self_attn.hook_z", zero_head(h))]):
+            p_without[i, h] = prob(model(ids))
+worst = divmod(int(p_without.argmin()), H)
+print(f"p({tok.id_to_piece(target)!r}) = {prob(logits):.2f} unchanged; "
+      f"lowest without layer {worst[0]}, head {worst[1]}: {p_without.min().item():.2f}")
+
+# %% tags=["nbval-ignore-output"]
+viz.effect_heatmap(p_without - prob(logits), [f"layer {i}" for i in range(len(model.layers))],
+                   [f"head {h}" for h in range(H)], colorbar_title="change<br>in p", x_title="head zeroed",
+                   title=f"Zeroing one head at the last position: change in p({tok.id_to_piece(target)!r})")
+
+# %% [markdown]
+# Here attribution and intervention agree: without layer 4's head 0 at one position, the copied name is gone and
+# ` r` falls from first place to almost nothing (0.72 to 0.04). One more head matters (layer 5, head 3), and layer
+# 4's head 1 a little; the others barely do. The copy that 06 saw in the attribution is needed, and one head of
+# 24 carries most of it.
+#
+# ## Editing the bias
+#
+# The correction bias only moves the choice ([04](04_router.ipynb) measures what it buys: balance, at almost no
+# cost in loss). A very negative bias removes an expert from every choice, without touching any weight:
+
+# %%
+# NBVAL_CHECK_OUTPUT
 from k2lab.training import corpus
 
 code = tok.encode(corpus.corpus_text("heldout", "code"), allow_special=False)[: 8 * 128]
 batch = torch.tensor(code).view(8, 128)  # [B, T]
-with_bias = routing.max_violation(routing.expert_counts(routing.trace(model, batch)))
-with edit_bias(model, {i: 0.0 for i in tr.layers}):
-    without_bias = routing.max_violation(routing.expert_counts(routing.trace(model, batch)))
-for i, a, b in zip(tr.layers, with_bias.tolist(), without_bias.tolist(), strict=True):
-    print(f"layer {i}: MaxVio {a:.2f} with the trained bias, {b:.2f} without")
-
-# %% [markdown]
-# And the other way round: a very negative bias removes an expert from every choice, without touching any weight.
-
-# %%
-# NBVAL_CHECK_OUTPUT
 with edit_bias(model, {layer: lambda b: b.index_fill(0, torch.tensor([expert]), -10.0)}):
     banned = routing.expert_counts(routing.trace(model, batch))[tr.row(layer), expert].item()
 print(f"tokens routed to the banned expert at layer {layer}: {banned}")
@@ -161,11 +219,83 @@ print(f"largest restoration {restored.max().item():.2f} at layer {patched_layers
       f"position {best % T}")
 
 # %% [markdown]
-# Each cell is one patched forward. Read it from the top: in K2-nano the early layers hold the quote style at the
-# positions of the quotes themselves, and the later layers at the last position, where the next token is
-# predicted. Somewhere in between, attention heads have copied it across.
+# Each cell is one patched forward. What K2-nano shows: in layers 0 to 2, one position carries most of the quote
+# style: the *second* string's opening quote (` '` before `hello`, about 80% restored); the first string's quotes
+# carry little (10-15% for the opening one, nothing for the closing one). From layer 3 on, the information moves
+# to the last position (a third restored at layer 3, about 60% at layers 4 and 5) while the opening quote's share
+# falls: an attention layer between 2 and 4 has copied it to where the next token is predicted. No single cell
+# restores everything, because the information sits in more than one place at once.
 
 # %% tags=["nbval-ignore-output"]
 viz.effect_heatmap(restored, [f"layer {i} resid_pre" for i in patched_layers],
                    [tok.id_to_piece(i) for i in clean[0].tolist()], colorbar_title="restored",
                    title="Patching the clean residual stream into the corrupted run")
+
+# %% [markdown]
+# ## Exercises
+#
+# **1. Predict, then run.** Zero layer 5's head 3 at the last position *together with* layer 4's head 0. Will
+# p(` r`) fall below what removing head 0 alone gave? Predict, then pass both hooks to `model.hooks`.
+#
+# **2. Change a knob.** Force only the single least-liked expert into the last token's first slot at the last
+# layer (`force_route(model, {layer: [least]}, positions=[-1])`), and print its weight from `routing.trace`.
+# Predict the weight before you run it, from its affinity s.
+
+# %%
+# your code here
+
+# %% [markdown]
+# **3. Write it yourself: a patching hook.** Return the activation with the source's values at the given
+# positions, *without* changing the activation in place. Then use it through `model.hooks` to reproduce the
+# largest cell of the patching heatmap.
+
+# %%
+from k2lab.lab import exercises
+
+
+def my_patch(activation: torch.Tensor, source: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """activation, source [B, T, D] -> [B, T, D] with source's values at ``positions``"""
+    raise NotImplementedError
+
+
+print(exercises.check_patch_hook(my_patch))
+
+# %% [markdown]
+# ## Solutions
+#
+# **1.** The two heads together:
+
+# %% tags=["solution"]
+with model.hooks(fwd_hooks=[("layers.4.self_attn.hook_z", zero_head(0)), ("layers.5.self_attn.hook_z", zero_head(3))]):
+    print(f"without L4.h0 and L5.h3: p = {prob(model(ids)):.3f} (L4.h0 alone: {p_without[4, 0].item():.3f})")
+
+# %% [markdown]
+# **2.** Its weight is its affinity over the sum of the chosen experts' affinities, times 2.827: small, because
+# its affinity is the smallest of all.
+
+# %% tags=["solution"]
+least = int(tr.choice_scores[tr.row(layer), 0, -1].argmin())
+with force_route(model, {layer: [least]}, positions=[-1]):
+    forced = routing.trace(model, ids)
+    delta = log_prob(model(ids)) - log_prob(logits)
+j = forced.row(layer)
+print(f"forced expert {least} (s = {tr.scores[j, 0, -1, least].item():.3f}): chosen {forced.indices[j, 0, -1].tolist()}, "
+      f"weights {[round(w, 3) for w in forced.weights[j, 0, -1].tolist()]}; change in log p {delta:+.3f}")
+
+# %% [markdown]
+# **3.** Clone, then write; the hook receives the activation and the probe:
+
+# %% tags=["solution"]
+def my_patch(activation: torch.Tensor, source: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    out = activation.clone()
+    out[:, positions] = source[:, positions]
+    return out
+
+
+assert exercises.check_patch_hook(my_patch)
+print(exercises.check_patch_hook(my_patch))
+row, t = divmod(best, T)
+name = f"layers.{patched_layers[row]}.hook_resid_pre"
+with model.hooks(fwd_hooks=[(name, lambda act, hook: my_patch(act, clean_cache[name], [t]))]):
+    mine = (ld(model(corrupt)) - ld_corrupt) / (ld_clean - ld_corrupt)
+print(f"{name}, position {t}: restored {mine:.2f} (heatmap: {restored.max().item():.2f})")

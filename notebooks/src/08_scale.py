@@ -34,6 +34,11 @@ print(f"\nactive without the embedding and the head: {count.active_without_embed
 print(f"one MLA: {attention_parameters(k2):,}; the dense block 0: {block_parameters(k2, 0):,}; "
       f"one MoE block: {block_parameters(k2, 1):,}")
 
+# %% [markdown]
+# The figure shows the same table twice: on a log axis, where the small components can be read, and as shares on a
+# linear axis, where it is plain that the routed experts are nearly all of the parameters (99%), and still about
+# two thirds of those active per token, although a token runs only 8 of each layer's 384.
+
 # %% tags=["nbval-ignore-output"]
 viz.parameter_figure(count.table(),
                      title="Kimi K2: parameters by component, total against active per token")
@@ -41,7 +46,7 @@ viz.parameter_figure(count.table(),
 # %% [markdown]
 # ## Bytes
 #
-# The release stores every large matrix in FP8 (e4m3, one byte per value, with a float32 scale per 128 × 128
+# The release stores every large matrix in FP8 ([e4m3](GLOSSARY.md#e4m3), one byte per value, with a float32 scale per 128 × 128
 # block); the embedding, the head, the norms and the router stay in bfloat16, the correction bias in float32.
 
 # %%
@@ -73,7 +78,7 @@ print(k2lab.plan(k2, devices=[141 * 10**9] * 8))
 # Without such a node, two levers remain, both options of `k2lab.load`:
 #
 # * `expert_budget_bytes`: keep every weight but the routed experts resident and read each expert from its file
-#   when a token first needs it, through an LRU cache of that many bytes. The routed experts are 99% of K2's
+#   when a token first needs it, through an [LRU](GLOSSARY.md#lru) cache of that many bytes. The routed experts are 99% of K2's
 #   weights, but a token uses 8 of 384 per block;
 # * `num_layers`: load a prefix of the model (the first N blocks, then the final norm and head), a logit-lens
 #   view of the real thing.
@@ -159,3 +164,59 @@ print("every miss read one expert (3 matrices + scales):",
 import shutil
 
 shutil.rmtree(folder)  # 1 GB of random weights: not worth keeping
+
+# %% [markdown]
+# ## Exercises
+#
+# **1. Predict, then run.** How many bytes does ONE routed expert of K2 take in the release (three e4m3 matrices of
+# 2,048 × 7,168, plus one float32 scale per 128 × 128 block)? And all 384 of one layer? Predict, then compute.
+#
+# **2. Change a knob.** Plan K2 on four 141 GB GPUs instead of eight (`k2lab.plan(k2, devices=[141 * 10**9] * 4)`).
+# Predict first: does it fit, and if not, by how much does it miss?
+
+# %%
+# your code here
+
+# %% [markdown]
+# **3. Write it yourself: the KV cache's bytes.** For a configuration and a number of tokens, the bytes of MLA's
+# latent cache in bfloat16 over all layers. The check tries K2 and K2-nano.
+
+# %%
+from k2lab.lab import exercises
+
+
+def my_kv_cache_bytes(cfg: K2Config, tokens: int) -> int:
+    """bytes of the latent KV cache (bfloat16) for ``tokens`` positions, all layers"""
+    raise NotImplementedError
+
+
+print(exercises.check_kv_cache_bytes(my_kv_cache_bytes))
+
+# %% [markdown]
+# ## Solutions
+#
+# **1.** 3 × 2,048 × 7,168 bytes = 44.0 MB of e4m3 values, plus 3 × 16 × 56 float32 scales (10.8 kB); a layer's
+# 384 experts are 16.9 GB, which is why 08's real-shape slice keeps only 16 of them.
+
+# %% tags=["solution"]
+values = 3 * k2.moe_intermediate_size * k2.hidden_size
+scales = 3 * math.ceil(k2.moe_intermediate_size / 128) * math.ceil(k2.hidden_size / 128) * 4
+print(f"one expert: {values:,} + {scales:,} bytes; one layer's {k2.n_routed_experts}: "
+      f"{k2.n_routed_experts * (values + scales) / 1e9:.1f} GB")
+
+# %% [markdown]
+# **2.** About 1 TB of FP8 weights cannot fit in 4 × 141 GB = 564 GB; the plan says by how much:
+
+# %% tags=["solution"]
+print(k2lab.plan(k2, devices=[141 * 10**9] * 4))
+
+# %% [markdown]
+# **3.** (kv_lora_rank + qk_rope_head_dim) values × 2 bytes × layers × tokens:
+
+# %% tags=["solution"]
+def my_kv_cache_bytes(cfg: K2Config, tokens: int) -> int:
+    return tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * cfg.num_hidden_layers
+
+
+assert exercises.check_kv_cache_bytes(my_kv_cache_bytes)
+print(exercises.check_kv_cache_bytes(my_kv_cache_bytes))

@@ -5,10 +5,14 @@
 # pieces are small functions in `k2lab.optim`):
 #
 # * **MuonClip**: the Muon optimizer for every hidden matrix (AdamW for the embedding, the head and the norms),
-#   plus **QK-Clip**, which rescales a head's query and key weights whenever its largest attention logit exceeds
-#   a threshold τ;
-# * **auxiliary-loss-free balancing**: after every step each router's correction bias moves by ±u towards an
-#   even load;
+#   plus **[QK-Clip](GLOSSARY.md#qk-clip)**, which rescales a head's query and key weights whenever its largest
+#   attention logit exceeds a threshold τ. The K2 report sets τ = 100; K2-nano uses τ = 30, so that a short run
+#   on a small model clips at all;
+# * **balancing by the correction bias**, with DeepSeek-V3's published rule: after every step each router's bias
+#   moves by ±u towards an even load, and K2-nano adds no auxiliary loss. The K2 report does not describe how
+#   K2's own bias was updated; K2's released config carries `aux_loss_alpha: 0.001` and `seq_aux: true`, the
+#   settings of the small sequence-wise balance loss that DeepSeek-V3 uses beside its bias rule. So this part is
+#   DeepSeek-V3's recipe, which K2 may or may not follow exactly;
 # * a **warmup-stable-decay** learning rate.
 #
 # Every step logged its loss, each head's largest attention logit and each MoE layer's expert counts
@@ -33,6 +37,13 @@ print(about)
 
 # %% [markdown]
 # ## The run
+#
+# Two units appear below. The training loss is a cross-entropy in **[nats](GLOSSARY.md#nats)** per token: the
+# mean of −ln p(next token), natural logarithms (1 nat = 1.443 bits). Held-out text is scored in
+# **[bits per byte](GLOSSARY.md#bits-per-byte)**: the summed −log₂ p of every token of the text, divided by the
+# text's UTF-8 bytes. Per byte, not per token, so it does not depend on the tokenizer: a model with longer tokens
+# does not look better merely for taking fewer, larger steps. (A model that knew nothing would pay 8 bits per
+# byte; the token-unigram baseline, which knows only how frequent each token is, pays the figure printed below.)
 
 # %%
 run = log["train"]
@@ -81,8 +92,7 @@ print(f"steps with at least one clipped head: {int((clipped > 0).sum())} of {len
       f"largest logit seen {max_logits.max().item():.1f} (tau {run['qk_clip_tau']})")
 
 # %% tags=["nbval-ignore-output"]
-every = max(1, len(steps) // 200)  # heatmaps of every n-th step keep the stored notebook small
-viz.qk_clip_figure(steps[::every], max_logits[::every], run["qk_clip_tau"])
+viz.qk_clip_figure(steps, max_logits, run["qk_clip_tau"])  # the heatmap thins itself; the count uses every step
 
 # %% [markdown]
 # The rule itself, on a copy of the trained model: clip the heads of the last layer to half their largest logit.
@@ -118,9 +128,9 @@ print(f"gamma in layer {last}: {gamma[last].tolist()}; "
 print("its largest logits after the clip equal tau:", torch.allclose(after[last], tau[last], rtol=1e-4))
 
 # %% [markdown]
-# ## Balancing the experts without a loss
+# ## Balancing the experts: DeepSeek-V3's bias rule
 #
-# After every step, each MoE layer's bias moves by u towards balance:
+# After every step, each MoE layer's bias moves by u towards balance (DeepSeek-V3's rule, which K2-nano follows):
 #
 # $$b_e \leftarrow b_e + u \cdot \operatorname{sign}(\bar c - c_e),$$
 #
@@ -151,6 +161,7 @@ viz.lines_figure(steps, {"MaxVio per step": per_layer}, "step",
                  title="Expert load balance during training (MaxVio, 0 = perfectly even)")
 
 # %% tags=["nbval-ignore-output"]
+every = max(1, len(steps) // 200)  # heatmaps of every n-th step keep the stored notebook small
 j = len(layers) - 1
 viz.expert_time_figure(steps[::every], bias[::every, j], "bias", zmid=0.0,
                        title=f"Layer {layers[j]}: correction bias per expert")
@@ -190,3 +201,82 @@ U, S, Vh = torch.linalg.svd(grad.double(), full_matrices=False)
 viz.singular_values_figure({"gradient / its largest singular value": S / S[0],
                             "Newton-Schulz, 5 steps": ns, "U Vᵀ (exact)": sv(U @ Vh)},
                            title="Layer 1 q_b_proj: Muon keeps directions, equalises sizes")
+
+# %% [markdown]
+# ## Exercises
+#
+# **1. Predict, then run.** In the clip demo above, the last layer's heads were clipped to half their largest
+# logit, so γ = 0.5. By what factor did the clip scale each head's content query rows (W_UQ^nope), its rotary query
+# rows, and its key rows (W_UK)? Predict, then divide `clipped_model`'s weights by `model`'s.
+#
+# **2. Change a knob.** Clip the last layer at 3/4 of each head's largest logit instead of 1/2. Predict γ and the
+# largest logits after the clip, then run `qk_clip` on a fresh copy.
+
+# %%
+# your code here
+
+# %% [markdown]
+# **3. Write it yourself: the bias update.** One balancing step for every MoE layer: given the bias [L, E], the
+# step's expert counts [L, E] and u, return the new bias. Then replay the whole log with your function and compare
+# the result with the checkpoint's bias.
+
+# %%
+from k2lab.lab import exercises
+
+
+def my_bias_update(bias: torch.Tensor, counts: torch.Tensor, u: float) -> torch.Tensor:
+    """bias, counts [L, E]; u the step -> the new bias [L, E]"""
+    raise NotImplementedError
+
+
+print(exercises.check_bias_update(my_bias_update))
+
+# %% [markdown]
+# ## Solutions
+#
+# **1.** √γ ≈ 0.707 on the content query and key rows (their product shrinks by γ), γ = 0.5 on the rotary query
+# rows (the shared rotary key is left alone), so both terms of the score shrink by γ:
+
+# %% tags=["solution"]
+cfg = model.config
+H, N, R, V = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+
+
+def scaled_by(name: str, rows: int) -> torch.Tensor:
+    """[H, rows] the factor each row of the last layer's ``name`` weight was multiplied by (median over its inputs;
+    FP8-stored weights hold exact zeros, which say nothing)."""
+    before_w = getattr(model.layers[last].self_attn, name).weight.view(H, rows, -1)
+    after_w = getattr(clipped_model.layers[last].self_attn, name).weight.view(H, rows, -1)
+    return (after_w / before_w).nanmedian(-1).values  # 0 / 0 = nan is skipped
+
+
+q_rows, kv_rows = scaled_by("q_b_proj", N + R), scaled_by("kv_b_proj", N + V)
+print(f"head 0: content query rows x {q_rows[0, :N].median().item():.3f}, rotary query rows x "
+      f"{q_rows[0, N:].median().item():.3f}, key rows x {kv_rows[0, :N].median().item():.3f}, value rows x "
+      f"{kv_rows[0, N:].median().item():.3f}")
+
+# %% [markdown]
+# **2.** γ = 0.75 in every head of the layer, and the largest logits become exactly τ:
+
+# %% tags=["solution"]
+three_quarters = copy.deepcopy(model)
+tau_34 = torch.full_like(before, float("inf"))
+tau_34[last] = before[last] * 0.75
+gamma_34 = qk_clip(three_quarters, before, tau_34)
+print(f"gamma {[round(g, 3) for g in gamma_34[last].tolist()]}; largest logits after "
+      f"{[round(x, 2) for x in head_max(three_quarters)[last].tolist()]} = tau {[round(x, 2) for x in tau_34[last].tolist()]}")
+
+# %% [markdown]
+# **3.** One line; the replay then reproduces the checkpoint's bias:
+
+# %% tags=["solution"]
+def my_bias_update(bias: torch.Tensor, counts: torch.Tensor, u: float) -> torch.Tensor:
+    return bias + u * torch.sign(counts.mean(-1, keepdim=True) - counts)
+
+
+assert exercises.check_bias_update(my_bias_update)
+print(exercises.check_bias_update(my_bias_update))
+replayed = torch.zeros_like(final)
+for step_counts, step_u in zip(counts, u.flatten().tolist(), strict=True):
+    replayed = my_bias_update(replayed, step_counts, step_u)
+print("replayed with my_bias_update equals the checkpoint's bias:", torch.allclose(replayed, final, atol=1e-4))

@@ -28,16 +28,22 @@ NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 class Expect:
     plots: int  # plotly graphs drawn, at least (those inside explorers included)
     widgets: int  # ipywidgets views, at least
+    diagrams: int = 0  # Mermaid diagrams in Markdown cells drawn as SVG, at least
+    texts: tuple[str, ...] = ()  # printed by some code cell (an exercise's verdict, say)
 
 
 CASES = [
     # The tour: the logit-lens figure (the token boxes are plain HTML).
-    pytest.param("00_tour.ipynb", Expect(plots=1, widgets=0), id="00_tour"),
+    pytest.param("00_tour.ipynb", Expect(plots=1, widgets=0, diagrams=1), id="00_tour"),
     # The tokenizer: its token explorer (a text box over coloured HTML tokens), typed into.
     pytest.param("01_tokens.ipynb", Expect(plots=0, widgets=1), id="01_tokens"),
     # The router: one token's stages, the bias flips, and the router explorer (a layer dropdown, a token slider and
     # its own figure inside an Output widget): plotly in and out of widgets, and a widget round trip.
     pytest.param("04_router.ipynb", Expect(plots=3, widgets=1), id="04_router"),
+    # The block by hand: two Mermaid diagrams; an exercise as a learner first sees it (the stub's verdict) and the
+    # collapsed solution cell's check passing.
+    pytest.param("04b_block.ipynb", Expect(plots=0, widgets=0, diagrams=2,
+                                           texts=("✗ not written yet", "✓ RMSNorm: matches k2lab")), id="04b_block"),
 ]
 
 # Text that means an output did not render: the widget manager waiting for a model that never came, a widget model
@@ -136,6 +142,10 @@ REPORT = """(broken) => {""" + WIDGET_VIEWS + """
       out.errors = outputs.filter(o => o.output_type === 'error').map(o => `${o.ename}: ${o.evalue}`);
       out.stderr = outputs.filter(o => o.output_type === 'stream' && o.name === 'stderr').map(text);
       out.outputs = outputs.flatMap(o => o.data ? Object.keys(o.data) : [`${o.output_type}:${o.name || ''}`]);
+      out.stdout = outputs.filter(o => o.output_type === 'stream' && o.name === 'stdout').map(text).join('')
+        .slice(0, 2000);
+    } else {
+      out.diagrams = node.querySelectorAll('.jp-RenderedMarkdown svg').length;  // Mermaid draws an SVG
     }
     const areaText = Array.from(node.querySelectorAll('.jp-OutputArea')).map(o => o.innerText).join('\\n');
     out.broken = broken.filter(b => areaText.includes(b));
@@ -327,6 +337,11 @@ def test_notebook_runs_in_jupyterlab(lab, chromium, artifacts: Path, name: str, 
                         widgets=max(expect.widgets, stored_widgets))
     stem = Path(name).stem
     found = problems(report)
+    diagrams = sum(c.get("diagrams", 0) for c in report["cells"])
+    if diagrams < expect.diagrams:
+        found.append(f"{diagrams} Mermaid diagrams drawn, expected at least {expect.diagrams}")
+    printed = "\n".join(c.get("stdout", "") for c in report["cells"])
+    found += [f"no cell printed {text!r}" for text in expect.texts if text not in printed]
     assert not found, f"{name} in JupyterLab ({artifacts / stem}.json, .png):\n  " + "\n  ".join(found)
 
 

@@ -21,7 +21,7 @@ TOKENS = ["a", "b", "c"]
     (lambda: viz.pattern_figure(torch.zeros(2, 3, 3), ["a"]), ValueError, "tokens has 1 entries but pattern"),
     (lambda: viz.score_split_figure(torch.zeros(0, 0), torch.zeros(0, 0), []), ValueError, "content is empty"),
     (lambda: viz.score_split_figure(torch.zeros(3, 3), torch.zeros(2, 3), TOKENS), ValueError,
-     "content and position must share a shape"),
+     "content and rotary must share a shape"),
     (lambda: viz.load_figure(torch.zeros(0, 4), []), ValueError, "relative_load is empty"),
     (lambda: viz.load_figure(torch.ones(2, 4), [1]), ValueError, "layers has 1 entries but relative_load"),
     (lambda: viz.specialization_figure({}, 0.1), ValueError, "shares is empty"),
