@@ -48,7 +48,7 @@ def healing_mask(tokenizer: K2Tokenizer, last_ids: list[int], vocab_size: int) -
 @torch.no_grad()
 def generate(model: K2Model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             eos_token_id: int | None = None, attn_impl: AttnImpl = "absorbed",
+             eos_token_id: int | None = None, attn_impl: AttnImpl = "auto",
              tokenizer: K2Tokenizer | None = None, token_healing: bool = False) -> torch.Tensor:
     """Continue ``input_ids`` [B, T] by up to ``max_new_tokens`` tokens -> [B, T + n], n <= max_new_tokens.
 

@@ -99,7 +99,7 @@ class K2Model(HookedModule):
         return LatentCache(self.config, batch_size, self.dtype, devices, num_layers=len(self.layers))
 
     def forward(self, input_ids: torch.Tensor, cache: LatentCache | None = None,
-                attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
+                attn_impl: AttnImpl = "auto") -> torch.Tensor:
         """input_ids [B, T] (int) -> logits [B, T, V] float32. With a cache, positions continue from
         ``cache.length`` and the new tokens' latents are appended to it."""
         x = self.last_hidden_state(input_ids, cache, attn_impl)  # [B, T, D]
@@ -107,7 +107,7 @@ class K2Model(HookedModule):
         return logits.to(self.device)  # where the ids were sent, as if the model were on one device
 
     def last_hidden_state(self, input_ids: torch.Tensor, cache: LatentCache | None = None,
-                          attn_impl: AttnImpl = "absorbed") -> torch.Tensor:
+                          attn_impl: AttnImpl = "auto") -> torch.Tensor:
         """The forward up to the head: the final normalised residual [B, T, D] (``norm.hook_out``), which the
         head turns into logits. Training feeds it to the head chunk by chunk (``k2lab.loss``)."""
         ids = self._check_input(input_ids, cache)
