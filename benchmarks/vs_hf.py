@@ -64,6 +64,7 @@ def build_pair(cfg: K2Config):
     from transformers.utils import logging
 
     logging.disable_progress_bar()
+    logging.set_verbosity_error()  # the deprecation notice for past_key_values, once per step
     torch.manual_seed(0)
     ref = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg.to_hf(), attn_implementation="eager")).float().eval()
     with torch.no_grad():
@@ -167,9 +168,13 @@ def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[st
 
 
 def table(rows: list[tuple[str, str, list[str]]], threads: list[int]) -> str:
-    """Rows of (figure, target, one cell per thread count) as an aligned text table."""
+    """Rows of (figure, target, one cell per thread count) as an aligned text table (no target column when
+    no row has a target)."""
     header = ("figure", "target", *(f"{n} thread{'s' * (n > 1)}" for n in threads))
     lines = [header, *((figure, target, *cells) for figure, target, cells in rows)]
+    if not any(target for _, target, _ in rows):
+        lines = [(line[0], *line[2:]) for line in lines]
+    header = lines[0]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w)
                                 in enumerate(zip(line, widths, strict=True))) for line in lines)
