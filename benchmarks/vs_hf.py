@@ -115,14 +115,18 @@ def prefill_flops(cfg: K2Config, tokens: int) -> float:
 def alternate_threads(runs: dict[str, Callable[[], object]], threads: list[int], rounds: int,
                       warmup: int = 1) -> dict[tuple[str, int], float]:
     """Median seconds per call of each run at each thread count: every round times every run at every thread
-    count in turn, so slow spells of a shared machine fall on all of them alike."""
+    count in turn, so slow spells of a shared machine fall on all of them alike. The runs' order rotates from
+    round to round, so none always follows the same neighbour (whose freed memory or evicted caches it would
+    inherit)."""
     times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in runs for n in threads}
+    names = list(runs)
     for round_ in range(warmup + rounds):
         for n in threads:
             torch.set_num_threads(n)
-            for name, run in runs.items():
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
                 start = time.perf_counter()
-                run()
+                runs[name]()
                 if round_ >= warmup:
                     times[name, n].append(time.perf_counter() - start)
     torch.set_num_threads(max(threads))
