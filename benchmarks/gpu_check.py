@@ -7,7 +7,8 @@ Without a GPU (and without --smoke) it says so and exits with status 0. On one G
 - the machine: device-to-device copy bandwidth and the bfloat16 matmul rate, measured here;
 - memory: K2's dense block 0 and one MoE block (384 experts of 2048) held FP8-resident, against the bytes
   accounting.py predicts;
-- time per block at several token counts (prefill, no cache) and for one decode step over a latent cache of
+- time per block with the default attention path ("auto": naive for a prefill without a cache, absorbed for a
+  decode step) at several token counts (prefill, no cache) and for one decode step over a latent cache of
   --context tokens; prefill and decode tokens/s of the 61-block model extrapolated from them (1 dense + 60 MoE
   blocks; embedding, head and transfers between GPUs left out);
 - the cost of dequantizing per use: the same MoE block with every weight in bfloat16 (34 GB) against FP8;
@@ -138,15 +139,15 @@ def time_block(block: DecoderLayer, cfg: K2Config, device: torch.device, tokens:
     for T in tokens:
         x = torch.randn(1, T, cfg.hidden_size, dtype=torch.bfloat16, device=device)
         cos, sin = rope.cos_sin(torch.arange(T, device=device))
-        out[T] = seconds(lambda x=x, cos=cos, sin=sin: block(x, rope, cos, sin, None, "absorbed"), device)
+        out[T] = seconds(lambda x=x, cos=cos, sin=sin: block(x, rope, cos, sin, None, "auto"), device)
     cache = LatentCache(cfg, 1, torch.bfloat16, device, num_layers=block.layer + 1)
     prompt = torch.randn(1, context, cfg.hidden_size, dtype=torch.bfloat16, device=device)
-    block(prompt, rope, *rope.cos_sin(torch.arange(context, device=device)), cache, "absorbed")
+    block(prompt, rope, *rope.cos_sin(torch.arange(context, device=device)), cache, "auto")
     cache.advance(context)
     step = torch.randn(1, 1, cfg.hidden_size, dtype=torch.bfloat16, device=device)
     cos, sin = rope.cos_sin(torch.arange(context, context + 1, device=device))
     # The cache is not advanced: every timed step writes the same slot and attends over the same context.
-    out["decode"] = seconds(lambda: block(step, rope, cos, sin, cache, "absorbed"), device)
+    out["decode"] = seconds(lambda: block(step, rope, cos, sin, cache, "auto"), device)
     return out
 
 

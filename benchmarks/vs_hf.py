@@ -1,9 +1,14 @@
 """Prefill and decode: k2lab against HF transformers' DeepseekV3 on the same random weights, float32, CPU,
-and against the machine's own limits measured in the same run.
+and against the machine's own limits measured in the same run, at one thread and at all cores.
 
-    python -m benchmarks.vs_hf [--prefill 512] [--contexts 512 4096] [--rounds 5]
+    python -m benchmarks.vs_hf [--prefill 512] [--contexts 512 4096] [--rounds 7] [--threads 1 2]
 
-- prefill: one forward over the prompt; fraction of the measured matmul rate from the active FLOPs.
+Every figure is timed at each thread count within one process (torch.set_num_threads), the thread counts and
+the contenders alternating round by round so that a busy, shared machine slows each alike; medians are
+reported, and the load average is printed with them.
+
+- prefill: one forward over the prompt with the default call ``model(ids)`` (attn_impl "auto"), and with each
+  path forced; fraction of the measured matmul rate from the active FLOPs.
 - decode: one new token through each side's cache at a given context (k2lab's latent cache vs HF's
   ``past_key_values``), cropped back after every step so each timed step sees the same context. HF expands
   the cached latents for the whole context every step; k2lab's absorbed path attends over them directly.
@@ -16,9 +21,13 @@ and against the machine's own limits measured in the same run.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import statistics
 import tempfile
+import time
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +36,7 @@ import k2lab
 from k2lab import K2Config
 from k2lab.weights.schema import checkpoint_tensors
 
-from .timing import alternate, copy_bandwidth, matmul_rate
+from .timing import matmul_rate
 
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
@@ -55,6 +64,7 @@ def build_pair(cfg: K2Config):
     from transformers.utils import logging
 
     logging.disable_progress_bar()
+    logging.set_verbosity_error()  # the deprecation notice for past_key_values, once per step
     torch.manual_seed(0)
     ref = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg.to_hf(), attn_implementation="eager")).float().eval()
     with torch.no_grad():
@@ -93,26 +103,6 @@ def decode_matrices(cfg: K2Config, context: int) -> list[tuple[int, int]]:
     return shapes + [(context, cfg.kv_lora_rank + cfg.qk_rope_head_dim)] * cfg.num_hidden_layers
 
 
-def bare_gemv_seconds(shapes: list[tuple[int, int]], rounds: int) -> float:
-    """Median seconds to multiply one vector by each of fresh matrices of these shapes, one call per matrix."""
-    gen = torch.Generator().manual_seed(0)
-    matrices = [torch.randn(shape, generator=gen) for shape in shapes]
-    vectors = {cols: torch.randn(1, cols, generator=gen) for _, cols in shapes}
-    return alternate({"gemv": lambda: [F.linear(vectors[w.shape[1]], w) for w in matrices]}, rounds=rounds)["gemv"]
-
-
-def gemv_read_rates(shapes: list[tuple[int, int]], rounds: int, copies_bytes: int = 100 << 20
-                    ) -> dict[tuple[int, int], float]:
-    """Bytes/s a one-vector product reads for each distinct shape, over enough fresh copies (about
-    ``copies_bytes``) that the matrices come from memory, not from the CPU's caches."""
-    rates = {}
-    for shape in sorted(set(shapes)):
-        nbytes = 4 * shape[0] * shape[1]
-        count = max(1, copies_bytes // nbytes)
-        rates[shape] = count * nbytes / bare_gemv_seconds([shape] * count, rounds)
-    return rates
-
-
 def prefill_flops(cfg: K2Config, tokens: int) -> float:
     """Matmul FLOPs of a prefill: 2 * active matrix parameters per token, plus causal attention (naive path)."""
     count = k2lab.count_parameters(cfg)
@@ -122,76 +112,50 @@ def prefill_flops(cfg: K2Config, tokens: int) -> float:
     return 2 * matrices * tokens + attention
 
 
-@torch.no_grad()
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
+def alternate_threads(runs: dict[str, Callable[[], object]], threads: list[int], rounds: int,
+                      warmup: int = 1) -> dict[tuple[str, int], float]:
+    """Median seconds per call of each run at each thread count: every round times every run at every thread
+    count in turn, so slow spells of a shared machine fall on all of them alike. The runs' order rotates from
+    round to round, so none always follows the same neighbour (whose freed memory or evicted caches it would
+    inherit)."""
+    times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in runs for n in threads}
+    names = list(runs)
+    for round_ in range(warmup + rounds):
+        for n in threads:
+            torch.set_num_threads(n)
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                start = time.perf_counter()
+                runs[name]()
+                if round_ >= warmup:
+                    times[name, n].append(time.perf_counter() - start)
+    torch.set_num_threads(max(threads))
+    return {key: statistics.median(t) for key, t in times.items()}
 
-    cfg = BENCH
-    ref, ours = build_pair(cfg)
+
+def copy_seconds(num_bytes: int = 1 << 28) -> Callable[[], object]:
+    """A large tensor copy (reads and writes ``num_bytes`` each): the memory bandwidth a thread count gets."""
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def gemv_calls(shapes: list[tuple[int, int]]) -> Callable[[], object]:
+    """One vector times fresh matrices of these shapes, one call each: the bare-GEMV ceiling of a decode step."""
     gen = torch.Generator().manual_seed(0)
-    print(
-        f"config: {cfg.num_hidden_layers} layers, {cfg.hidden_size} wide, {cfg.n_routed_experts} experts "
-        f"top-{cfg.num_experts_per_tok}, float32, {torch.get_num_threads()} threads"
-    )
-
-    ids = torch.randint(0, cfg.vocab_size, (1, args.prefill), generator=gen)
-    t = alternate(
-        {
-            "hf": lambda: ref(ids, use_cache=False),
-            "naive": lambda: ours(ids, attn_impl="naive"),
-            "absorbed": lambda: ours(ids, attn_impl="absorbed"),
-        },
-        rounds=args.rounds,
-    )
-    rate = matmul_rate()
-    flops = prefill_flops(cfg, args.prefill)
-    print(
-        f"\nprefill {args.prefill} tokens (median s): HF {t['hf']:.3f}  k2lab naive {t['naive']:.3f}  "
-        f"absorbed {t['absorbed']:.3f}"
-    )
-    best = min(t["naive"], t["absorbed"])
-    print(
-        f"  speed vs HF: naive {t['hf'] / t['naive']:.2f}x, absorbed {t['hf'] / t['absorbed']:.2f}x; "
-        f"k2lab best at {flops / best / 1e9:.1f} GFLOP/s = {flops / best / rate:.0%} of the measured "
-        f"{rate / 1e9:.1f} GFLOP/s matmul rate"
-    )
-
-    bandwidth = copy_bandwidth()
-    print(f"\nmeasured copy bandwidth: {bandwidth / 1e9:.1f} GB/s")
-    rates = gemv_read_rates(decode_matrices(cfg, context=0)[: -cfg.num_hidden_layers], rounds=args.rounds)
-    print("GEMV read rate by weight shape: " + ", ".join(f"{list(shape)} {rate / 1e9:.1f} GB/s"
-                                                        for shape, rate in rates.items()))
-    for context in args.contexts:
-        t = decode_times(ref, ours, context, rounds=max(args.rounds, 9), generator=gen)
-        floor = decode_bytes(cfg, context) / bandwidth
-        print(
-            f"decode at {context} context (median ms/token): HF {t['hf'] * 1e3:.2f}  k2lab naive "
-            f"{t['naive'] * 1e3:.2f}  absorbed {t['absorbed'] * 1e3:.2f}"
-        )
-        gemv = bare_gemv_seconds(decode_matrices(cfg, context), rounds=max(args.rounds, 9))
-        print(
-            f"  speed vs HF: naive {t['hf'] / t['naive']:.2f}x, absorbed {t['hf'] / t['absorbed']:.2f}x; "
-            f"absorbed at {floor / t['absorbed']:.0%} of the bandwidth roofline "
-            f"({decode_bytes(cfg, context) / 1e6:.1f} MB per step, floor {floor * 1e3:.2f} ms)"
-        )
-        print(
-            f"  bare GEMVs over the same matrices: {gemv * 1e3:.2f} ms = {floor / gemv:.0%} of the roofline; "
-            f"k2lab absorbed at {gemv / t['absorbed']:.0%} of this eager ceiling"
-        )
+    matrices = [torch.randn(shape, generator=gen) for shape in shapes]
+    vectors = {cols: torch.randn(1, cols, generator=gen) for _, cols in shapes}
+    return lambda: [F.linear(vectors[w.shape[1]], w) for w in matrices]
 
 
-def decode_times(ref, ours, context: int, rounds: int, generator: torch.Generator) -> dict[str, float]:
-    """Median seconds of one decode step at ``context`` cached tokens: HF, k2lab naive, k2lab absorbed."""
+def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[str, Callable[[], object]]:
+    """One decode step at ``context`` cached tokens through each side's cache, cropped back after every step so
+    each timed step sees the same context: HF, k2lab's default call (auto picks absorbed), k2lab naive."""
     vocab = ours.config.vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=generator)
     step = torch.randint(0, vocab, (1, 1), generator=generator)
     hf_cache = ref(prompt, use_cache=True).past_key_values
-    caches = {impl: ours.new_cache(1) for impl in ("naive", "absorbed")}
+    caches = {impl: ours.new_cache(1) for impl in ("auto", "naive")}
     for cache in caches.values():
         ours(prompt, cache=cache)
 
@@ -203,8 +167,107 @@ def decode_times(ref, ours, context: int, rounds: int, generator: torch.Generato
         ours(step, cache=caches[impl], attn_impl=impl)
         caches[impl].crop(context)
 
-    runs = {"hf": hf_step, "naive": lambda: our_step("naive"), "absorbed": lambda: our_step("absorbed")}
-    return alternate(runs, rounds=rounds)
+    gemv = gemv_calls(decode_matrices(ours.config, context))
+    return {"hf": hf_step, "k2lab": lambda: our_step("auto"), "naive": lambda: our_step("naive"), "gemv": gemv}
+
+
+def table(rows: list[tuple[str, str, list[str]]], threads: list[int]) -> str:
+    """Rows of (figure, target, one cell per thread count) as an aligned text table (no target column when
+    no row has a target)."""
+    header = ("figure", "target", *(f"{n} thread{'s' * (n > 1)}" for n in threads))
+    lines = [header, *((figure, target, *cells) for figure, target, cells in rows)]
+    if not any(target for _, target, _ in rows):
+        lines = [(line[0], *line[2:]) for line in lines]
+    header = lines[0]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w)
+                                in enumerate(zip(line, widths, strict=True))) for line in lines)
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
+                        help="thread counts to compare (default: 1 and all cores)")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    threads = args.threads
+    load_before = os.getloadavg()
+
+    cfg = BENCH
+    ref, ours = build_pair(cfg)
+    gen = torch.Generator().manual_seed(0)
+    print(f"config: {cfg.num_hidden_layers} layers, {cfg.hidden_size} wide, {cfg.n_routed_experts} experts "
+          f"top-{cfg.num_experts_per_tok}, float32; threads {threads}; {args.rounds} rounds, medians")
+
+    ids = torch.randint(0, cfg.vocab_size, (1, args.prefill), generator=gen)
+    prefill = alternate_threads({
+        "hf": lambda: ref(ids, use_cache=False),
+        "k2lab": lambda: ours(ids),
+        "naive": lambda: ours(ids, attn_impl="naive"),
+        "absorbed": lambda: ours(ids, attn_impl="absorbed"),
+        "copy": copy_seconds(),
+    }, threads, args.rounds)
+    decode = {context: alternate_threads(decode_steps(ref, ours, context, gen), threads, max(args.rounds, 9))
+              for context in args.contexts}
+    rates = {}
+    for n in threads:
+        torch.set_num_threads(n)
+        rates[n] = matmul_rate()
+    load_after = os.getloadavg()
+
+    def cells(fn, fmt: str) -> list[str]:
+        return [format(fn(n), fmt) for n in threads]
+
+    flops = prefill_flops(cfg, args.prefill)
+    times = [(f"prefill {args.prefill}: HF / default / naive / absorbed (ms)", "",
+              [" / ".join(f"{prefill[name, n] * 1e3:.0f}" for name in ("hf", "k2lab", "naive", "absorbed"))
+               for n in threads])]
+    for context, t in decode.items():
+        times.append((f"decode at {context}: HF / default / naive / bare GEMVs (ms)", "",
+                      [" / ".join(f"{t[name, n] * 1e3:.1f}" for name in ("hf", "k2lab", "naive", "gemv"))
+                       for n in threads]))
+    bandwidth = {n: 2 * (1 << 28) / prefill["copy", n] for n in threads}
+    for context in decode:
+        times.append((f"decode at {context}: bytes read / copy bandwidth (ms floor)", "",
+                      [f"{decode_bytes(cfg, context) / bandwidth[n] * 1e3:.1f}" for n in threads]))
+    times.append(("copy bandwidth (GB/s) / float32 matmul rate (GFLOP/s)", "",
+                  [f"{bandwidth[n] / 1e9:.1f} / {rates[n] / 1e9:.0f}" for n in threads]))
+    print("\ntimes\n" + table(times, threads))
+
+    rows = [(f"prefill {args.prefill}, default call, vs HF", ">= 1.2x",
+             cells(lambda n: prefill["hf", n] / prefill["k2lab", n], ".2f")),
+            (f"prefill {args.prefill}, default call, share of the matmul rate", "",
+             cells(lambda n: flops / prefill["k2lab", n] / rates[n], ".0%"))]
+    targets = {512: ">= 2.0x", 4096: ">= 5x"}
+    for context, t in decode.items():
+        rows.append((f"decode at {context} context vs HF", targets.get(context, ""),
+                     cells(lambda n, t=t: t["hf", n] / t["k2lab", n], ".2f")))
+    for context, t in decode.items():
+        rows.append((f"decode at {context}: bare-GEMV ceiling / k2lab step", ">= 80%",
+                     cells(lambda n, t=t: t["gemv", n] / t["k2lab", n], ".0%")))
+    first, last = args.contexts[0], args.contexts[-1]
+    rows.append((f"decode step at {last} / at {first} context (flat in context)", "",
+                 cells(lambda n: decode[last]["k2lab", n] / decode[first]["k2lab", n], ".2f")))
+    print("\nratios\n" + table(rows, threads))
+
+    if len(threads) > 1:
+        one, most = threads[0], threads[-1]
+        scaling = [(f"decode step at {c}, k2lab", "<= 0.8", f"{t['k2lab', most] / t['k2lab', one]:.2f}")
+                   for c, t in decode.items()]
+        scaling += [(f"decode at {c}, bare GEMVs over the same matrices", "",
+                     f"{t['gemv', most] / t['gemv', one]:.2f}") for c, t in decode.items()]
+        scaling += [(f"prefill {args.prefill}, default call", "",
+                     f"{prefill['k2lab', most] / prefill['k2lab', one]:.2f}"),
+                    ("copy (memory bandwidth)", "", f"{prefill['copy', most] / prefill['copy', one]:.2f}")]
+        width = max(len(f) for f, _, _ in scaling)
+        print(f"\ntime at {most} threads / time at {one} (lower is better)")
+        print("\n".join(f"{f.ljust(width)}  {target:>6}  {v:>5}" for f, target, v in scaling))
+    print(f"\nload average (1, 5, 15 min) before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
+          f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..analysis.cache import ActivationCache
 from ..config import K2Config
-from ..model.attention import AttnImpl, LatentCache
+from ..model.attention import ATTN_IMPLS, AttnImpl, LatentCache
 from ..model.generate import generate
 from ..model.hooks import HookPoint, Hooks, NameFilter
 from ..model.transformer import K2Model, check_attention_mask, rotary_and_mask
@@ -50,7 +50,7 @@ from ..weights.placement import Plan, _describe, device_capacity, placement_unit
 from ..weights.quant import UNQUANTIZED, QuantFormat
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # a rank may wait this long for a slower rank's load (60 GB from disk)
-_ATTN_IMPLS: tuple[AttnImpl, ...] = ("naive", "absorbed")
+_ATTN_IMPLS: tuple[AttnImpl, ...] = ATTN_IMPLS  # sent between ranks by index
 _STEP, _STOP, _ERROR = 0, 1, 2  # what the last rank tells the others between generate's steps
 R = TypeVar("R")
 
@@ -214,7 +214,7 @@ class PipelinedK2:
 
     # ---- the forward -------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, cache: LatentCache | None = None, attn_impl: AttnImpl = "absorbed",
+    def __call__(self, input_ids: torch.Tensor, cache: LatentCache | None = None, attn_impl: AttnImpl = "auto",
                  *, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> float32 logits [B, T, V] on every rank, with ``K2Model.forward``'s semantics: a
         ``cache`` from ``pm.new_cache`` continues from its length; ``attention_mask`` [B, T] (1 = token, 0 = pad)
@@ -342,7 +342,7 @@ class PipelinedK2:
         self._broadcast(out, src=self.last)
         return out
 
-    def _tell(self, kind: int, ids: torch.Tensor | None = None, attn_impl: AttnImpl = "absorbed",
+    def _tell(self, kind: int, ids: torch.Tensor | None = None, attn_impl: AttnImpl = "auto",
               attention_mask: torch.Tensor | None = None, message: str = "") -> None:
         """From the last rank: what comes next in generate (a step's ids and mask, the end, or an error)."""
         B, T = ids.shape if ids is not None else (0, 0)
@@ -428,7 +428,7 @@ class _LastStage:
     def new_cache(self, batch_size: int) -> LatentCache:
         return self.pm.new_cache(batch_size)
 
-    def __call__(self, ids: torch.Tensor, cache: LatentCache, attn_impl: AttnImpl = "absorbed", *,
+    def __call__(self, ids: torch.Tensor, cache: LatentCache, attn_impl: AttnImpl = "auto", *,
                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         self.pm.model._check_input(ids, cache)  # a bad step fails here, before the other ranks are told of it
         ids = torch.as_tensor(ids)

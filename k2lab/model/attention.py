@@ -11,7 +11,8 @@ rotary key k_pe [R] shared by all heads: 576 values per token per layer for K2.
 - absorbed: fold W_UK (kv_b_proj's key rows) into the query and W_UV (its value rows) into the output, so
   attention runs directly over the cached latents, as one multi-query attention with 576-wide keys and
   512-wide values. Nothing is expanded; decode reads the cache once.
-Both give the same scores, pattern and per-head output z (hook_z) to float32 rounding.
+Both give the same scores, pattern and per-head output z (hook_z) to float32 rounding, and fire the same probes.
+- auto (the default): whichever of the two is faster for the call's shape (see ``choose_attn_impl``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,28 @@ from .hooks import HookPoint
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
-AttnImpl = Literal["naive", "absorbed"]
+AttnImpl = Literal["auto", "naive", "absorbed"]
+ATTN_IMPLS = ("auto", "naive", "absorbed")
+
+
+def choose_attn_impl(attn_impl: AttnImpl, num_new: int, num_cached: int, kv_lora_rank: int) -> str:
+    """The path that runs for ``num_new`` new tokens after ``num_cached`` cached ones: ``attn_impl`` itself,
+    or for "auto" the faster one for this shape.
+
+    The naive path expands all S = num_cached + num_new positions through kv_b_proj (one large GEMM) and then
+    runs the fused SDPA kernel over 192-wide keys; the absorbed path expands nothing but attends with
+    576-wide keys and 512-wide values (K2), about three times the attention FLOPs per (query, key) pair. So:
+    - no cache to reuse (prefill, training): naive, whose expansion covers only the new tokens anyway;
+    - few new tokens over a cached context (decode, short chunks): absorbed, which reads the cache once
+      instead of expanding it all every step;
+    - many new tokens over a cache (chunked prefill): naive once the new tokens' extra attention work outweighs
+      expanding the cache, measured at num_new > kv_lora_rank / 4 (docs/speed.md).
+    """
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+    if attn_impl != "auto":
+        return attn_impl
+    return "absorbed" if num_cached > 0 and num_new <= kv_lora_rank // 4 else "naive"
 
 
 class LatentCache:
@@ -60,19 +82,19 @@ class LatentCache:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return len(self._buffers) * self.batch_size * self.length * self.width * itemsize
 
-    def update(self, layer: int, kv_latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new tokens' latents [B, T, C] and rotated keys [B, T, R] after the cached ones; return all
-        positions' latents [B, S, C] and keys [B, S, R] (views, no copy)."""
+    def append(self, layer: int, entries: torch.Tensor) -> torch.Tensor:
+        """Write the new tokens' entries [B, T, C + R] (latent, then rotated key) after the cached ones; return
+        all positions' entries [B, S, C + R]: a view of the buffer whose rows are contiguous, which matmuls read
+        in place."""
         buf = self._buffers[layer]
-        start, end = self.length, self.length + kv_latent.shape[1]
+        start, end = self.length, self.length + entries.shape[1]
         if end > buf.shape[1]:  # grow by doubling
             grown = torch.empty(self.batch_size, max(end, 2 * buf.shape[1]), self.width,
                                 dtype=self.dtype, device=buf.device)
             grown[:, :start] = buf[:, :start]
             self._buffers[layer] = buf = grown
-        buf[:, start:end, : self.kv_lora_rank] = kv_latent
-        buf[:, start:end, self.kv_lora_rank :] = k_pe
-        return buf[:, :end, : self.kv_lora_rank], buf[:, :end, self.kv_lora_rank :]
+        buf[:, start:end] = entries
+        return buf[:, :end]
 
     def key_mask(self, new_tokens: torch.Tensor) -> torch.Tensor:
         """Record which new positions hold real tokens ([B, T] bool) -> which of all S key positions do [B, S]."""
@@ -143,11 +165,12 @@ class MultiHeadLatentAttention(nn.Module):
         self.hook_z = HookPoint()  # [B, T, H, V] per-head output before o_proj
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LatentCache | None = None, layer: int = 0, attn_impl: AttnImpl = "absorbed",
+                cache: LatentCache | None = None, layer: int = 0, attn_impl: AttnImpl = "auto",
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. cos/sin [T, R], or [B, T, R] when positions differ per row (padding).
         ``attn_mask`` [B, 1, T, S] bool, True where a query may see a key; None: plain causal."""
         B, T, _ = x.shape
+        impl = choose_attn_impl(attn_impl, T, cache.length if cache is not None else 0, self.kv_lora_rank)
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)  # [B, T, H*(N+R)]
         else:
@@ -161,15 +184,14 @@ class MultiHeadLatentAttention(nn.Module):
         kv_latent = self.hook_kv_latent(self.kv_a_layernorm(kv_a[..., : self.kv_lora_rank]))  # [B, T, C]
         k_pe = self.hook_k_pe(kv_a[..., self.kv_lora_rank :])  # [B, T, R]
         k_pe = self.hook_rot_k_pe(rope.rotate(k_pe, cos, sin))
+        entries = torch.cat((kv_latent, k_pe), dim=-1)  # [B, T, C + R]: what the cache stores per token
         if cache is not None:
-            kv_latent, k_pe = cache.update(layer, kv_latent, k_pe)  # [B, S, C], [B, S, R]
+            entries = cache.append(layer, entries)  # [B, S, C + R]
 
-        if attn_impl == "naive":
-            z = self._naive(q_nope, q_pe, kv_latent, k_pe, attn_mask)
-        elif attn_impl == "absorbed":
-            z = self._absorbed(q_nope, q_pe, kv_latent, k_pe, attn_mask)
+        if impl == "naive":
+            z = self._naive(q_nope, q_pe, entries, attn_mask)
         else:
-            raise ValueError(f"attn_impl must be 'naive' or 'absorbed', got {attn_impl!r}")
+            z = self._absorbed(q_nope, q_pe, entries, attn_mask)
         z = self.hook_z(z)  # [B, T, H, V]
         return self.o_proj(z.flatten(2))  # [B, T, D]
 
@@ -182,10 +204,11 @@ class MultiHeadLatentAttention(nn.Module):
             self.hook_max_logit(scores.detach().amax(dim=(-2, -1)))
         return self.hook_pattern(F.softmax(scores, dim=-1, dtype=torch.float32).to(dtype))
 
-    def _naive(self, q_nope, q_pe, kv_latent, k_pe, attn_mask=None) -> torch.Tensor:
+    def _naive(self, q_nope, q_pe, entries, attn_mask=None) -> torch.Tensor:
         """Expand the latents to per-head keys and values for all S positions, then plain attention."""
         B, T, H, _ = q_nope.shape
-        S = kv_latent.shape[1]
+        S = entries.shape[1]
+        kv_latent, k_pe = entries.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [B, S, C], [B, S, R]
         kv = self.kv_b_proj(kv_latent).view(B, S, H, self.nope_dim + self.v_dim)  # [B, S, H, N+V]
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1).transpose(1, 2)  # [B, H, T, N+R]
@@ -210,18 +233,25 @@ class MultiHeadLatentAttention(nn.Module):
         )
         return out[..., : self.v_dim].transpose(1, 2)  # [B, T, H, V]
 
-    def _absorbed(self, q_nope, q_pe, kv_latent, k_pe, attn_mask=None) -> torch.Tensor:
-        """Attention over the latents: q_nope through W_UK into latent space; the output through W_UV."""
+    def _absorbed(self, q_nope, q_pe, entries, attn_mask=None) -> torch.Tensor:
+        """Attention over the latents: q_nope through W_UK into latent space; the output through W_UV.
+
+        Each step is one batched matmul: per head over the B*T query rows for the two absorptions, and one
+        multi-query attention for the scores, whose H*T query rows [c_Q W_UK | q_pe] (576 wide for K2) meet the
+        cache's [c_KV | k_pe] rows where they lie, so a decode step reads the cache once per matmul, in place.
+        """
         B, T, H, _ = q_nope.shape
-        S = kv_latent.shape[1]
-        w_kv_b = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)  # [H, N+V, C]
+        S, C = entries.shape[1], self.kv_lora_rank
+        w_kv_b = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, C)  # [H, N+V, C]
         w_uk, w_uv = w_kv_b[:, : self.nope_dim], w_kv_b[:, self.nope_dim :]  # [H, N, C], [H, V, C]
-        q_latent = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # [B, H, T, C]
-        # One multi-query attention: all H*T query rows share the same S latent keys.
-        scores = (q_latent.reshape(B, H * T, -1) @ kv_latent.transpose(1, 2)
-                  + q_pe.transpose(1, 2).reshape(B, H * T, -1) @ k_pe.transpose(1, 2))  # [B, H*T, S]
-        scores = scores.view(B, H, T, S) * self.softmax_scale
+        q_latent = torch.bmm(q_nope.permute(2, 0, 1, 3).reshape(H, B * T, self.nope_dim), w_uk)  # [H, B*T, C]
+        q_latent = q_latent.view(H, B, T, C).transpose(0, 1)  # [B, H, T, C]
+        # The scale goes on the H*T query rows rather than on the H*T*S scores.
+        query = torch.cat((q_latent, q_pe.transpose(1, 2)), dim=-1) * self.softmax_scale  # [B, H, T, C+R]
+        scores = torch.bmm(query.view(B, H * T, -1), entries.transpose(1, 2)).view(B, H, T, S)  # scaled
         mask = attn_mask if attn_mask is not None else causal_mask(T, S, q_nope.device) if T > 1 else None
         pattern = self._probe_pattern(scores, mask, q_nope.dtype)  # [B, H, T, S]
-        out_latent = (pattern.view(B, H * T, S) @ kv_latent).view(B, H, T, -1)  # [B, H, T, C]
-        return torch.einsum("bhtc,hvc->bthv", out_latent, w_uv)  # [B, T, H, V]
+        out_latent = torch.bmm(pattern.view(B, H * T, S), entries[..., :C])  # [B, H*T, C]
+        out_latent = out_latent.view(B, H, T, C).transpose(0, 1).reshape(H, B * T, C)  # [H, B*T, C]
+        z = torch.bmm(out_latent, w_uv.transpose(1, 2))  # [H, B*T, V]
+        return z.view(H, B, T, self.v_dim).permute(1, 2, 0, 3)  # [B, T, H, V]

@@ -70,7 +70,7 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, 
 @torch.no_grad()
 def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             eos_token_id: int | None = None, attn_impl: AttnImpl = "absorbed",
+             eos_token_id: int | None = None, attn_impl: AttnImpl = "auto",
              tokenizer: K2Tokenizer | None = None, token_healing: bool = False,
              attention_mask: torch.Tensor | None = None) -> torch.Tensor | str | list[str]:
     """Continue ``input_ids`` [B, T] by up to ``max_new_tokens`` tokens -> [B, T + n], n <= max_new_tokens.

@@ -148,13 +148,16 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [N, D], idx [N, k] -> each slot's expert output [N, k, D]."""
         N, k = idx.shape
+        # Which experts run is read back to Python once per layer (one .tolist()), and each expert's matrices
+        # are then read in place by its own matmuls. Gathering the k chosen experts' matrices for one batched
+        # matmul would copy them first, tripling the bytes a decode step moves for its experts (docs/speed.md).
         if N == 1:  # one token (decode): its k experts in slot order, with nothing to sort
             return torch.stack([self.expert(e, x) for e in idx[0].tolist()], dim=1)  # [1, k, D]
         flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
         order = flat.argsort(stable=True)  # slots grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        hit = counts.nonzero().flatten()
-        experts, sizes = hit.tolist(), counts[hit].tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        experts = [e for e, count in enumerate(counts) if count]
+        sizes = [counts[e] for e in experts]
         if torch.is_grad_enabled():
             # Training: one gather, one split, one cat and one scatter, so that backward is one pass of each.
             # Indexing per group or writing in place would make autograd allocate a whole [N*k, D] gradient per

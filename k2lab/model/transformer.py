@@ -120,7 +120,7 @@ class K2Model(HookedModule):
         devices = [layer.input_layernorm.weight.device for layer in self.layers]  # per block, for a device_map
         return LatentCache(self.config, batch_size, self.dtype, devices, num_layers=len(self.layers))
 
-    def forward(self, input_ids: TextOrIds, cache: LatentCache | None = None, attn_impl: AttnImpl = "absorbed", *,
+    def forward(self, input_ids: TextOrIds, cache: LatentCache | None = None, attn_impl: AttnImpl = "auto", *,
                 attention_mask: torch.Tensor | None = None, return_type: ReturnType = "logits",
                 loss_per_token: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, T] (int), or text (a string, or a list of strings left-padded into a batch) through
@@ -172,7 +172,7 @@ class K2Model(HookedModule):
         return logits.to(self.device)  # where the ids were sent, as if the model were on one device
 
     def last_hidden_state(self, input_ids: torch.Tensor, cache: LatentCache | None = None,
-                          attn_impl: AttnImpl = "absorbed", *, attention_mask: torch.Tensor | None = None
+                          attn_impl: AttnImpl = "auto", *, attention_mask: torch.Tensor | None = None
                           ) -> torch.Tensor:
         """The forward up to the head: the final normalised residual [B, T, D] (``norm.hook_out``), which the
         head turns into logits. Training feeds it to the head chunk by chunk (``k2lab.model.loss``)."""
