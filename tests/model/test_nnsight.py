@@ -23,7 +23,9 @@ def test_nnsight_reads_and_edits_mlp_outputs(model, ids):
         with wrapped.trace(ids):
             wrapped.layers[1].mlp.output[:] = 0
             edited = wrapped.output.save()
-    assert torch.equal(read, cache["layers.2.hook_mlp_out"])
-    assert torch.equal(logits, plain)
+    # To float32 rounding, not bit for bit: inside an nnsight trace every probe is live, so attention takes the
+    # explicit scores where a plain prefill takes the fused kernel (attn_impl="auto" picks the expanded path).
+    torch.testing.assert_close(read, cache["layers.2.hook_mlp_out"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, plain, rtol=1e-5, atol=1e-5)
     assert relative_error(edited, zeroed) < 1e-6
     assert relative_error(edited, plain) > 1e-3

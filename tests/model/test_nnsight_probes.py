@@ -66,8 +66,10 @@ def test_nnsight_edits_equal_hook_edits(model, ids):
             wrapped.layers[2].mlp.gate.hook_topk_idx.output[:] = forced
             weights = wrapped.layers[2].mlp.gate.hook_topk_weights.output.save()
             edited = wrapped.output.save()
-    assert torch.equal(edited, expected)
-    assert torch.equal(weights, cache["layers.2.mlp.gate.hook_topk_weights"])  # the router reweighed the new route
+    # To float32 rounding: inside a trace every probe is live, so attention takes the explicit scores where the
+    # plain prefill takes the fused kernel.
+    torch.testing.assert_close(edited, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weights, cache["layers.2.mlp.gate.hook_topk_weights"], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(edited, plain)
 
 
