@@ -40,6 +40,8 @@ _LAZY = {
     "weight_bytes": ("k2lab.analysis.accounting", "weight_bytes"),
     "interventions": ("k2lab.analysis.interventions", None),
     "routing": ("k2lab.analysis.routing", None),
+    "lab": ("k2lab.lab", None),
+    "viz": ("k2lab.viz", None),  # plotly and ipywidgets load here, on first use
 }
 
 

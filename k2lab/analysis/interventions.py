@@ -206,17 +206,21 @@ def edit_bias(model: K2Model, biases: Mapping[int, BiasSpec]) -> Iterator[None]:
 
 
 @contextmanager
-def patch(model: K2Model, source: Mapping[str, torch.Tensor], names: NameFilter,
-          positions: Positions = None) -> Iterator[None]:
-    """Activation patching: at the probes selected by ``names`` (a list, substring or predicate), replace this
-    run's activation by ``source[name]`` (e.g. the ActivationCache of a clean run), at ``positions`` only if given.
+def patch(model: K2Model, source: Mapping[str, torch.Tensor], names: NameFilter = None,
+          positions: Positions = None, *, names_filter: NameFilter = None) -> Iterator[None]:
+    """Activation patching: at the probes selected by ``names`` (or ``names_filter``, the same: a name, list,
+    substring or predicate), replace this run's activation by ``source[name]`` (e.g. the ActivationCache of a clean
+    run), at ``positions`` only if given.
 
     Positions index T, which is dim 1 of [B, T, ...] probes and the query axis (dim 2) of attention scores and
     patterns [B, H, T, S]. Shapes must match: patch between runs of equal batch and length.
     """
     _check_mapping(source, "source", "{probe name: tensor}, e.g. an ActivationCache")
     _check_positions(positions)
-    selected = model.select_hook_names(names)
+    if (names is None) == (names_filter is None):
+        raise ValueError("patch takes the probes to patch as names= or names_filter= (two spellings of one "
+                         "selector): give exactly one")
+    selected = model.select_hook_names(names if names is not None else names_filter)
     missing = [n for n in selected if n not in source]
     if missing:
         raise KeyError(f"patch: the source lacks {missing[:3]} ({len(missing)} of {len(selected)} probes)")

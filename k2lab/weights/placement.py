@@ -206,11 +206,15 @@ def resolve_device_map(cfg: K2Config, device_map: DeviceMap, *, fp8: bool = True
 
 
 def _as_device(value: Device, key: str | None = None) -> torch.device:
-    device = torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
+    where = f"device_map[{key!r}] = " if key is not None else ""
+    try:
+        device = torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{where}{value!r} is not a device: use 'cpu', 'cuda', 'cuda:N', a GPU index or "
+                         "a torch.device") from None
     if device.type == "cuda":
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (device.index or 0) >= visible:
-            where = f"device_map[{key!r}] = " if key is not None else ""
             raise ValueError(f"{where}{device} is not available: {visible} GPU(s) visible")
     return device
 

@@ -216,3 +216,17 @@ def test_patching_positions(model):
     with pytest.raises(ValueError, match=r"layers.1.hook_resid_mid is \(2, 9, 256\) here but \(2, 5, 256\)"):
         with patch(model, short, "layers.1.hook_resid_mid"):
             model(corrupt_ids)
+
+
+def test_patch_takes_names_filter_as_names_and_exactly_one_of_them(model):
+    clean_ids, corrupt_ids = _ids(seed=0), _ids(seed=1)
+    _, clean = model.run_with_cache(clean_ids)
+    with patch(model, clean, names="layers.1.hook_resid_post"):
+        by_names = model(corrupt_ids)
+    with patch(model, clean, names_filter=lambda name: name == "layers.1.hook_resid_post"):
+        by_filter = model(corrupt_ids)
+    assert torch.equal(by_names, by_filter)
+    assert not torch.equal(by_names, model(corrupt_ids))  # the patch did change the run
+    for kwargs in ({}, {"names": "hook_resid_post", "names_filter": "hook_resid_post"}):
+        with pytest.raises(ValueError, match="give exactly one"), patch(model, clean, **kwargs):
+            pass

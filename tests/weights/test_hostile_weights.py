@@ -237,3 +237,10 @@ def test_streamed_experts_refuse_a_file_changed_after_loading(tmp_path):
 def test_load_names_a_source_that_is_not_a_path():
     with pytest.raises(TypeError, match="path_or_repo_id must be a checkpoint folder or a Hub repo id, got None"):
         k2lab.load(None)
+
+
+@pytest.mark.parametrize("device", ["tpu", 2.5])
+def test_load_names_a_device_that_is_not_one(tmp_path, device):
+    folder = save_checkpoint(tiny_model(0), tmp_path / "ckpt", fp8=False)
+    with pytest.raises(ValueError, match=r"device_map\[''\] = .* is not a device"):
+        k2lab.load(folder, device_map={"": device})
