@@ -145,7 +145,8 @@ REPORT = """(broken) => {""" + WIDGET_VIEWS + """
       out.stdout = outputs.filter(o => o.output_type === 'stream' && o.name === 'stdout').map(text).join('')
         .slice(0, 2000);
     } else {
-      out.diagrams = node.querySelectorAll('.jp-RenderedMarkdown svg').length;  // Mermaid draws an SVG
+      // JupyterLab draws each Mermaid block into a .jp-RenderedMermaid element (an SVG image inside it)
+      out.diagrams = node.querySelectorAll('.jp-RenderedMarkdown .jp-RenderedMermaid').length;
     }
     const areaText = Array.from(node.querySelectorAll('.jp-OutputArea')).map(o => o.innerText).join('\\n');
     out.broken = broken.filter(b => areaText.includes(b));
