@@ -94,6 +94,8 @@ print(k2lab.plan(k2, devices=[141 * 10**9] * 8))
 
 # %%
 # NBVAL_CHECK_OUTPUT
+import math
+
 family = [("Kimi K2 (FP8)", K2Config.kimi_k2(), "fp8"),
           ("K2-Thinking (INT4 experts)", K2Config.kimi_k2_thinking(), "int4"),
           ("Moonlight (bfloat16)", K2Config.moonlight(), "unquantized")]
@@ -121,10 +123,11 @@ for name, total, active, stored, n80, n141 in rows:
 import plotly.graph_objects as go
 
 fig = go.Figure(go.Table(
+    columnwidth=[2.2, 1, 1, 1, 1, 1],
     header=dict(values=["model", "parameters", "active per token", "stored weights", "80 GB GPUs", "141 GB GPUs"]),
     cells=dict(values=[[r[0] for r in rows], [f"{r[1]:,.1f} B" for r in rows], [f"{r[2]:.2f} B" for r in rows],
                        [f"{r[3]:,.1f} GB" for r in rows], [r[4] for r in rows], [r[5] for r in rows]])))
-fig.update_layout(title="K2, K2-Thinking and Moonlight: parameters, bytes, GPUs (k2lab.plan)", height=260,
+fig.update_layout(title="K2, K2-Thinking and Moonlight: parameters, bytes, GPUs (k2lab.plan)", height=300,
                   margin=dict(l=20, r=20, t=50, b=10))
 fig
 
