@@ -166,10 +166,11 @@ for name, p in probes.items():
     fig.add_scatter(x=list(range(1, len(order) + 1)), y=p["scores"][-1, order].tolist(), mode="markers+lines",
                     name=name, marker=dict(size=[10 if c else 5 for c in chosen.tolist()],
                                            symbol=["circle" if c else "circle-open" for c in chosen.tolist()]))
-fig.add_hline(y=1 / softmax_cfg.n_routed_experts, line_dash="dot", annotation_text="1/E")
+E = softmax_cfg.n_routed_experts
+fig.add_scatter(x=[1, E], y=[1 / E, 1 / E], mode="lines", line=dict(dash="dot", color="grey"), name="1/E (uniform)")
 fig.update_layout(title=f"Last token's router scores, sorted (filled: chosen), {tokens[-1]!r}",
-                  xaxis_title="rank of the expert", yaxis_title="score s", yaxis_type="log", height=420,
-                  template="plotly_white")
+                  xaxis_title="rank of the expert", yaxis_title="score s (log axis)", yaxis_type="log", height=420,
+                  yaxis_tickvals=[0.02, 0.05, 0.1, 0.2, 0.5, 1], template="plotly_white")
 fig
 
 # %% [markdown]
