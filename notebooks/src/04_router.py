@@ -100,6 +100,84 @@ for n, e in enumerate(best.tolist()):
 # not), and shifting every logit by +2 leaves the softmax weights exactly as they were but moves the sigmoid ones.
 # Only with the bias do the two routers choose differently: a bias added to sigmoid scores in (0, 1) can overturn
 # their order, as the next step shows.
+
+# %% [markdown]
+# ### A softmax-routed model beside K2-nano
+#
+# The same comparison on whole models. k2lab also runs DeepSeek-V2's router (`scoring_func="softmax"`,
+# `topk_method="greedy"`, `norm_topk_prob=False`, no correction bias; `Router` in `k2lab/model/moe.py`, checked
+# against HF transformers' `DeepseekV2ForCausalLM` in tests/model/test_softmax_router.py and
+# [docs/family.md](../docs/family.md)). We build K2-nano's shape with that router and `routed_scaling_factor=1`
+# (DeepSeek-V2-Lite's value in its config.json) and give it **random** weights (`init_weights`): no softmax-routed
+# model was trained here, so only the *mechanics* of the probes compare, not what the experts learned. The running
+# prompt goes through both (K2-nano's tokenizer; the random model shares its vocabulary).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from k2lab import K2Config, K2Model
+
+softmax_cfg = K2Config.nano().replace(scoring_func="softmax", topk_method="greedy", norm_topk_prob=False,
+                                      routed_scaling_factor=1.0)
+softmax_model = K2Model(softmax_cfg).eval()
+softmax_model.init_weights(seed=0)  # random: normal(0, 0.02) matrices
+nano, nano_tok = (model, tok) if settings.is_nano else lab.load_nano()  # K2-nano, whatever model this notebook runs
+nano_ids = torch.tensor([nano_tok.encode(lab.PROMPT)])  # [1, T]
+probes = {}
+for name, m in (("K2-nano: sigmoid + bias", nano),
+                ("softmax, random", softmax_model)):
+    last = len(m.layers) - 1
+    _, c = m.run_with_cache(nano_ids, names=f"layers.{last}.mlp.gate.")
+    probes[name] = {stage: c[f"layers.{last}.mlp.gate.hook_{stage}"][0] for stage in ("scores", "topk_idx",
+                                                                                     "topk_weights")}
+print(f"last MoE layer, {nano_ids.shape[1]} tokens, top-{softmax_cfg.num_experts_per_tok} of "
+      f"{softmax_cfg.n_routed_experts}; the softmax model's router has a correction bias: "
+      f"{softmax_model.layers[-1].mlp.gate.e_score_correction_bias is not None}")
+print(f"{'router':<26}{'scores sum per token':>24}{'last token: max s':>19}{'weights sum':>13}{'busiest expert':>16}")
+for name, p in probes.items():
+    sums, E = p["scores"].sum(-1), p["scores"].shape[-1]  # [T], experts
+    load = torch.bincount(p["topk_idx"].flatten(), minlength=E) / p["topk_idx"].numel() * E  # [E] x fair share
+    print(f"{name:<26}{sums.min().item():>11.2f} to {sums.max().item():<9.2f}{p['scores'][-1].max().item():>19.3f}"
+          f"{p['topk_weights'].sum(-1).mean().item():>13.3f}{load.max().item():>13.1f} x")
+
+# %% [markdown]
+# What the probes show, row by row:
+#
+# * **`hook_scores`.** The softmax scores sum to exactly 1 for every token: the experts share one unit of
+#   probability. K2-nano's sigmoid scores are independent; their sum over 32 experts varies from token to token
+#   (between about 2 and 20 here), and it means nothing.
+# * **`hook_topk_weights`.** With `norm_topk_prob=False` the softmax router's weights are the chosen scores as they
+#   are, so they sum to the share of the unit the chosen experts hold (about 0.17 for 4 of 32 experts at random
+#   initialisation, where every score is near 1/32 = 0.031); K2's weights are renormalised and always sum to
+#   2.827.
+# * **Load.** Neither number is a verdict on the router: K2-nano's load comes from training with the bias, the
+#   random model's (one expert takes several times its share) from random weights that no balancing ever
+#   touched. DeepSeek-V2 balanced its softmax router with auxiliary losses (expert-, device- and
+#   communication-level; DeepSeek-V2 report, arXiv 2405.04434, section 2.2), not with a bias.
+#
+# The figure puts the last token's scores from both routers on one axis, sorted, with the chosen experts filled.
+
+# %% tags=["nbval-ignore-output"]
+import plotly.graph_objects as go
+
+fig = go.Figure()
+for name, p in probes.items():
+    order = p["scores"][-1].argsort(descending=True)  # [E] experts by score
+    chosen = torch.isin(order, p["topk_idx"][-1])
+    fig.add_scatter(x=list(range(1, len(order) + 1)), y=p["scores"][-1, order].tolist(), mode="markers+lines",
+                    name=name, marker=dict(size=[10 if c else 5 for c in chosen.tolist()],
+                                           symbol=["circle" if c else "circle-open" for c in chosen.tolist()]))
+E = softmax_cfg.n_routed_experts
+fig.add_scatter(x=[1, E], y=[1 / E, 1 / E], mode="lines", line=dict(dash="dot", color="grey"), name="1/E (uniform)")
+fig.update_layout(title=f"Last token's router scores, sorted (filled: chosen), {tokens[-1]!r}",
+                  xaxis_title="rank of the expert", yaxis_title="score s (log axis)", yaxis_type="log", height=420,
+                  yaxis_tickvals=[0.02, 0.05, 0.1, 0.2, 0.5, 1], template="plotly_white")
+fig
+
+# %% [markdown]
+# On a log axis: K2-nano's sigmoid scores spread over a factor of about 20 and the chosen ones stand out, though
+# the bias (not shown) picks among the close ones. The random softmax router's scores all sit near 1/E: at
+# initialisation its logits are tiny, so softmax is almost uniform and the choice is almost arbitrary; training
+# is what would pull them apart.
 #
 # **Step 5.** The weights come from the affinities s, not from the choice scores, renormalised over the chosen
 # experts and multiplied by the scaling factor, so they always sum to 2.827:
@@ -240,8 +318,6 @@ viz.widgets.router_explorer(tr, tokens, logits=router_logits)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from k2lab import K2Config
-
 k2 = K2Config.kimi_k2()
 print(f"K2: n_group={k2.n_group}, topk_group={k2.topk_group}, top-{k2.num_experts_per_tok} of "
       f"{k2.n_routed_experts}, routed_scaling_factor={k2.routed_scaling_factor}")

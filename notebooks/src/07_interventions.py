@@ -232,6 +232,77 @@ viz.effect_heatmap(restored, [f"layer {i} resid_pre" for i in patched_layers],
                    title="Patching the clean residual stream into the corrupted run")
 
 # %% [markdown]
+# ## Prompts of different lengths: a padded batch
+#
+# Patching needed two prompts of equal length. Running prompts of *different* lengths together needs padding:
+# `tok.encode_padded` pads each row on the left to the longest (pad id, mask 0) and returns the
+# attention mask too; given the mask, the model never attends to a pad and starts
+# each row's positions at its first real token (docs/research.md). So each row must equal its prompt run alone:
+
+# %%
+prompts = [lab.PROMPT, "import os\nprint("]
+padded, mask = tok.encode_padded(prompts, padding_side="left")  # [2, T_max] each
+batched = model(padded, attention_mask=mask)  # [2, T_max, V]
+print(f"batch {tuple(padded.shape)}, real tokens per row {mask.sum(-1).tolist()}")
+for row, text in enumerate(prompts):
+    alone = model(torch.tensor([tok.encode(text)]))  # [1, T_row, V]
+    gap = (batched[row, -alone.shape[1]:] - alone[0]).abs().max().item()  # left padding: the row's tokens are last
+    print(f"row {row}: max |batched - alone| over its logits = {gap:.0e} (float32 rounding: {gap < 1e-4})")
+
+# %% [markdown]
+# The differences are float32 rounding (a batch of two sums in another order than a batch of one). Without the
+# mask, row 1's tokens would attend to 39 pad tokens and its logits would change.
+#
+# ## Attribution patching: the heatmap from one backward pass
+#
+# The heatmap above cost one forward pass per cell (6 layers × 14 positions). **Attribution patching** (Nanda,
+# "Attribution Patching", 2023) estimates every cell at once by a first-order Taylor expansion around the corrupted
+# run: the change in the metric from patching activation a is about
+# (a_clean − a_corrupt) · ∂LD/∂a, evaluated on the corrupted run. `attribution_patch` needs one clean forward, one
+# corrupted forward and one backward (its docstring in `k2lab/analysis/interventions.py`). We normalise by
+# LD_clean − LD_corrupt as before:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from k2lab.analysis.interventions import attribution_patch
+
+ld_tensor = lambda out: out[0, -1, single] - out[0, -1, double]  # noqa: E731  the metric as a scalar tensor
+estimates = attribution_patch(model, clean, corrupt, ld_tensor, names="hook_resid_pre")  # {name: [B, T]}
+estimated = torch.stack([estimates[f"layers.{i}.hook_resid_pre"][0] for i in patched_layers]) / (ld_clean - ld_corrupt)
+r = torch.corrcoef(torch.stack([estimated.flatten(), restored.flatten()]))[0, 1].item()
+print(f"correlation over the {restored.numel()} cells: {r:.2f}")
+for row, t in [divmod(int(c), T) for c in restored.flatten().topk(4).indices]:
+    print(f"layer {patched_layers[row]}, position {t:>2} {tok.id_to_piece(int(clean[0, t]))!r:>7}: "
+          f"patched {restored[row, t].item():.2f}, estimated {estimated[row, t].item():.2f}")
+
+# %% tags=["nbval-ignore-output"]
+import plotly.graph_objects as go
+
+fig = go.Figure()
+for row, i in enumerate(patched_layers):
+    fig.add_scatter(x=restored[row].tolist(), y=estimated[row].tolist(), mode="markers", name=f"layer {i}",
+                    text=[tok.id_to_piece(int(t)) for t in clean[0]], marker=dict(size=9))
+fig.add_scatter(x=[-0.1, 1], y=[-0.1, 1], mode="lines", line=dict(dash="dot", color="grey"), name="estimate = patch")
+fig.update_layout(title="Attribution patching against activation patching, one point per layer and position",
+                  xaxis_title="restored by the real patch", yaxis_title="first-order estimate", height=460,
+                  template="plotly_white")
+fig
+
+# %% [markdown]
+# The estimate finds the same cells: the opening quote in layers 0 to 2, the last position from layer 3 on, and
+# nothing elsewhere (correlation 0.98). But it is not the patch. Where a cell matters most it falls short: at
+# layers 0 to 2 the opening quote restores about 0.8 while the estimate says 0.5 to 0.65, and at layer 4 the last
+# position restores 0.62 against an estimate of 0.42. The first-order term is exact only where LD is linear in
+# the patched activation (exercise 3), and the further the activation is from the output, the more non-linear
+# steps lie between: attention softmaxes, RMSNorms, SwiGLUs and the router's top-k, whose switch from one expert
+# to another the gradient cannot see at all (top-k is piecewise constant). A large change (here the whole quote
+# style) also leaves the region where the tangent is a good guide: the errors go both ways (layer 4's opening
+# quote is overestimated, 0.31 against 0.25), and a small cell can get the wrong sign (layer 0, position 5).
+# At the last position of layer 5, where one block and the final norm separate the activation from the logits,
+# the two agree best (0.61 against 0.64).
+# Use it as a cheap map to choose which cells to patch for real, as Nanda suggests, not as the measurement.
+
+# %% [markdown]
 # ## Exercises
 #
 # **1. Predict, then run.** Zero layer 5's head 3 at the last position *together with* layer 4's head 0. Will
@@ -241,11 +312,17 @@ viz.effect_heatmap(restored, [f"layer {i} resid_pre" for i in patched_layers],
 # layer (`force_route(model, {layer: [least]}, positions=[-1])`), and print its weight from `routing.trace`.
 # Predict the weight before you run it, from its affinity s.
 
+#
+# **3. Predict, then run: where is the estimate exact?** `norm.hook_out` is the final norm's output, which the head
+# multiplies to give the logits; `layers.5.hook_resid_post` is the same stream before that norm. At the last
+# position, will `attribution_patch` match the real patch (`patch(model, cache, name, positions=[T - 1])`) on
+# both? Predict, then compare the two numbers for each.
+
 # %%
 # your code here
 
 # %% [markdown]
-# **3. Write it yourself: a patching hook.** Return the activation with the source's values at the given
+# **4. Write it yourself: a patching hook.** Return the activation with the source's values at the given
 # positions, *without* changing the activation in place. Then use it through `model.hooks` to reproduce the
 # largest cell of the patching heatmap.
 
@@ -283,7 +360,22 @@ print(f"forced expert {least} (s = {tr.scores[j, 0, -1, least].item():.3f}): cho
       f"weights {[round(w, 3) for w in forced.weights[j, 0, -1].tolist()]}; change in log p {delta:+.3f}")
 
 # %% [markdown]
-# **3.** Clone, then write; the hook receives the activation and the probe:
+# **3.** LD is a difference of two rows of the head applied to `norm.hook_out`: linear, so the first-order estimate
+# is the exact change. Before the norm, the patch also changes the rms that divides x, which the tangent only
+# approximates:
+
+# %% tags=["solution"]
+final_names = ["norm.hook_out", f"layers.{L - 1}.hook_resid_post"]
+_, final_cache = model.run_with_cache(clean, names=final_names)
+final_estimates = attribution_patch(model, clean, corrupt, ld_tensor, names=final_names)
+for name in final_names:
+    with patch(model, final_cache, name, positions=[T - 1]):
+        real = ld(model(corrupt)) - ld_corrupt
+    print(f"{name:<24} last position: estimate {final_estimates[name][0, -1].item():+.4f}, "
+          f"real patch {real:+.4f} (change in LD)")
+
+# %% [markdown]
+# **4.** Clone, then write; the hook receives the activation and the probe:
 
 # %% tags=["solution"]
 def my_patch(activation: torch.Tensor, source: torch.Tensor, positions: list[int]) -> torch.Tensor:

@@ -75,6 +75,73 @@ print(k2lab.plan(k2, devices=[torch.device("cpu")]))
 print(k2lab.plan(k2, devices=[141 * 10**9] * 8))
 
 # %% [markdown]
+# ## Three relatives side by side
+#
+# The same accounting for two relatives ([docs/family.md](../docs/family.md) lists the family and how each is
+# tested):
+#
+# * **Kimi-K2-Thinking** (`K2Config.kimi_k2_thinking()`): K2-Instruct-0905's architecture, so the same parameters
+#   as K2; its release stores the routed experts in INT4 (compressed-tensors `pack-quantized`: 4-bit integers in
+#   groups of 32 with a bfloat16 scale per group, per its config.json's `quantization_config`;
+#   `k2lab/weights/quant/int4.py`) and everything else in bfloat16;
+# * **Moonlight-16B-A3B** (`K2Config.moonlight()`): Moonshot's small model of the same design (27 blocks of 2,048,
+#   64 experts top-6 + 2 shared), released in bfloat16.
+#
+# Counts are `count_parameters` (exact against each release, tests/analysis/test_family_counts.py); bytes are
+# `weight_bytes(cfg, format=..., scales=True)`, the stored bytes with the scales; the GPU counts are the fewest
+# devices `k2lab.plan(cfg, devices=[capacity] * n, format=...)` fits, with its default headroom of 4 GiB per device
+# for activations and the KV cache.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+import math
+
+family = [("Kimi K2 (FP8)", K2Config.kimi_k2(), "fp8"),
+          ("K2-Thinking (INT4 experts)", K2Config.kimi_k2_thinking(), "int4"),
+          ("Moonlight (bfloat16)", K2Config.moonlight(), "unquantized")]
+
+
+def gpus_needed(cfg: K2Config, fmt: str, capacity: int, stored: int) -> int:
+    """The fewest devices of ``capacity`` bytes that plan fits, starting from the bytes alone (a lower bound)."""
+    n = max(1, math.ceil(stored / capacity))
+    while not k2lab.plan(cfg, devices=[capacity] * n, format=fmt).fits:
+        n += 1
+    return n
+
+
+rows = []
+for name, cfg, fmt in family:
+    params = k2lab.count_parameters(cfg)
+    stored = k2lab.weight_bytes(cfg, format=fmt, scales=True)
+    rows.append((name, params.total / 1e9, params.active / 1e9, stored / 1e9,
+                 *(gpus_needed(cfg, fmt, gb * 10**9, stored) for gb in (80, 141))))
+print(f"{'model':<28}{'params':>10}{'active':>9}{'stored':>11}{'80 GB GPUs':>12}{'141 GB GPUs':>13}")
+for name, total, active, stored, n80, n141 in rows:
+    print(f"{name:<28}{total:>9,.1f}B{active:>8.2f}B{stored:>8,.1f} GB{n80:>12}{n141:>13}")
+
+# %% tags=["nbval-ignore-output"]
+import plotly.graph_objects as go
+
+fig = go.Figure(go.Table(
+    columnwidth=[2.2, 1, 1, 1, 1, 1],
+    header=dict(values=["model", "parameters", "active per token", "stored weights", "80 GB GPUs", "141 GB GPUs"]),
+    cells=dict(values=[[r[0] for r in rows], [f"{r[1]:,.1f} B" for r in rows], [f"{r[2]:.2f} B" for r in rows],
+                       [f"{r[3]:,.1f} GB" for r in rows], [r[4] for r in rows], [r[5] for r in rows]])))
+fig.update_layout(title="K2, K2-Thinking and Moonlight: parameters, bytes, GPUs (k2lab.plan)", height=300,
+                  margin=dict(l=20, r=20, t=50, b=10))
+fig
+
+# %% [markdown]
+# What the table says. K2 and K2-Thinking have the same 1,026 B parameters and 32.9 B active per token (active
+# includes the embedding and head here), but INT4 experts take 0.5 byte per weight plus 2 bytes per 32 for the
+# scales, against FP8's 1 byte, so K2-Thinking stores 594 GB against 1,029 GB ([docs/multinode.md](../docs/multinode.md)
+# does the same arithmetic by hand). That is the difference between 15 and 9 GPUs of 80 GB, or 8 and 5 of 141 GB.
+# Eight 80 GB GPUs (640 GB) would hold K2-Thinking's bytes, but not with 4 GiB of headroom on each and whole
+# blocks per device: the plan needs a ninth. Moonlight, 64 times smaller, fits on one GPU of either size in
+# bfloat16 (32 GB); its 2.91 B active per token include its 0.67 B embedding and head (docs/family.md gives 2.24 B
+# without them).
+
+# %% [markdown]
 # Without such a node, two levers remain, both options of `k2lab.load`:
 #
 # * `expert_budget_bytes`: keep every weight but the routed experts resident and read each expert from its file
