@@ -6,24 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_oracle import randomize
+from tiny import TINY
 
-from k2lab import K2Config, K2Model
+from k2lab import K2Model
 from k2lab.analysis.interventions import attribution_patch
-
-TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
-
-
-@pytest.fixture(scope="module")
-def model() -> K2Model:
-    model = K2Model(TINY).eval()
-    randomize(model, 0)
-    return model
-
-
-@pytest.fixture(scope="module")
-def ids() -> torch.Tensor:
-    return torch.randint(0, TINY.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
 
 
 def keeper(store: dict):

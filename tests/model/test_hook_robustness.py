@@ -5,24 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_oracle import randomize
 
 import k2lab
-from k2lab import K2Config, K2Model
-
-TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
-
-
-@pytest.fixture(scope="module")
-def model() -> K2Model:
-    model = K2Model(TINY).eval()
-    randomize(model, 0)
-    return model
-
-
-@pytest.fixture(scope="module")
-def ids() -> torch.Tensor:
-    return torch.randint(0, TINY.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+from k2lab import K2Model
 
 
 def attached(model: K2Model) -> int:

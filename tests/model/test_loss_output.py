@@ -6,23 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_oracle import randomize
-
-from k2lab import K2Config, K2Model
-
-TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
-
-
-@pytest.fixture(scope="module")
-def model() -> K2Model:
-    model = K2Model(TINY).eval()
-    randomize(model, 0)
-    return model
+from tiny import TINY, token_ids
 
 
 @pytest.fixture(scope="module")
 def ids() -> torch.Tensor:
-    return torch.randint(0, TINY.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    return token_ids(TINY, batch=2, length=9)  # two more positions than the shared fixture's
 
 
 def by_hand(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
