@@ -5,23 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_oracle import randomize
+from tiny import TINY, token_ids
 
-from k2lab import K2Config, K2Model
 from k2lab import routing as R
 
-TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)  # E = 16, k = 4, MoE layers 1 and 2
-
-
-@pytest.fixture(scope="module")
-def model() -> K2Model:
-    model = K2Model(TINY).eval()
-    randomize(model, 0)
-    return model
+# The shared TINY (E = 16, k = 4, MoE layers 1 and 2) and its seeded model fixture (conftest.py).
 
 
 def ids(batch: int, length: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, TINY.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return token_ids(TINY, batch, length, seed)
 
 
 def test_concat_of_batches_equals_the_padded_batch(model):

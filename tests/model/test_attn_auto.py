@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_oracle import hf_model, relative_error, save_and_load
+from tiny import TINY
 
 import k2lab
-from k2lab import K2Config
 from k2lab.model.attention import MultiHeadLatentAttention, choose_attn_impl
 
-TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)  # kv_lora_rank 64: chunks of <= 16 absorb
+# TINY (tests/tiny.py): kv_lora_rank 64, so chunks of <= 16 new tokens absorb
 
 
 @pytest.fixture(scope="module")

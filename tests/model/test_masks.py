@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_oracle import hf_model, relative_error, save_and_load
+from tiny import TINY
 
 import k2lab
-from k2lab import K2Config
 
-TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
 LENGTHS = [9, 5, 7]  # real tokens per row
 
 
