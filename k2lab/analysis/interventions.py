@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from ..model.hooks import one_selector
 from ..model.moe import MoE, Router
 from .routing import allowed_experts, group_best, moe_layers
 
@@ -217,10 +218,10 @@ def patch(model: K2Model, source: Mapping[str, torch.Tensor], names: NameFilter 
     """
     _check_mapping(source, "source", "{probe name: tensor}, e.g. an ActivationCache")
     _check_positions(positions)
-    if (names is None) == (names_filter is None):
-        raise ValueError("patch takes the probes to patch as names= or names_filter= (two spellings of one "
-                         "selector): give exactly one")
-    selected = model.select_hook_names(names if names is not None else names_filter)
+    names = one_selector(names, names_filter)
+    if names is None:  # patching every probe is never meant: say which
+        raise ValueError("patch needs the probes to patch: give exactly one of names= and names_filter=")
+    selected = model.select_hook_names(names)
     missing = [n for n in selected if n not in source]
     if missing:
         raise KeyError(f"patch: the source lacks {missing[:3]} ({len(missing)} of {len(selected)} probes)")
@@ -340,11 +341,7 @@ def attribution_patch(model: K2Model, clean_ids: torch.Tensor, corrupt_ids: torc
     The estimate is exact where the metric is linear in the activation (``hook_logits`` for a logit difference);
     compare with ``patch`` where it matters. ``forward_kwargs`` (attention_mask, attn_impl) go to both runs.
     """
-    if names_filter is not None:
-        if names is not None:
-            raise ValueError("give names= or names_filter= (two spellings of the same selector), not both")
-        names = names_filter
-    selected = model.select_hook_names(names)
+    selected = model.select_hook_names(one_selector(names, names_filter))
     with torch.no_grad():
         _, clean = model.run_with_cache(clean_ids, names=selected, **forward_kwargs)
     live: dict[str, torch.Tensor] = {}

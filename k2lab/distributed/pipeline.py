@@ -41,12 +41,12 @@ from ..analysis.cache import ActivationCache
 from ..config import K2Config
 from ..model.attention import ATTN_IMPLS, AttnImpl, LatentCache
 from ..model.generate import generate
-from ..model.hooks import HookPoint, Hooks, NameFilter
+from ..model.hooks import HookPoint, Hooks, NameFilter, one_selector
 from ..model.transformer import K2Model, check_attention_mask, rotary_and_mask
 from ..weights import hub
 from ..weights.hf_config import read_config
 from ..weights.load import load, slice_layers
-from ..weights.placement import Plan, _describe, device_capacity, placement_units, plan, unit_of
+from ..weights.placement import Plan, _describe, device_capacity, plan, unit_keys, unit_of
 from ..weights.quant import UNQUANTIZED, QuantFormat
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # a rank may wait this long for a slower rank's load (60 GB from disk)
@@ -80,19 +80,10 @@ def stage_map(cfg: K2Config, world_size: int, stages: Mapping[str, int]) -> dict
     each unit taking its longest matching prefix (``""`` matches all): ``{"": 1, "embed_tokens": 0, "layers.0": 0}``.
     The stages must run in forward order over ranks 0..world_size-1, each holding something, with the final norm
     and head on the last rank."""
-    units = placement_units(cfg)
     for key, rank in stages.items():
-        if key and not any(u == key or u.startswith(key + ".") for u in units):
-            raise ValueError(f"stages key {key!r} names no unit; units are embed_tokens, layers.0 .. "
-                             f"layers.{cfg.num_hidden_layers - 1}, norm, lm_head")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"stages[{key!r}] = {rank!r}: a rank must be an integer in 0..{world_size - 1}")
-    out = {}
-    for unit in units:
-        matches = [k for k in stages if k == "" or unit == k or unit.startswith(k + ".")]
-        if not matches:
-            raise ValueError(f"stages places no rank for {unit} (add it, or a '' entry for everything else)")
-        out[unit] = stages[max(matches, key=len)]
+    out = {unit: stages[key] for unit, key in unit_keys(cfg, stages, "stages", "rank").items()}
     order = list(out.values())
     if order != sorted(order) or set(order) != set(range(world_size)):
         raise ValueError(f"stages must run in forward order over ranks 0..{world_size - 1}, each holding at least "
@@ -298,10 +289,7 @@ class PipelinedK2:
         each rank records its own probes, then every rank receives all of them (on ``device``, default this
         rank's), in firing order. ``incl_bwd`` is refused: the pipeline runs forward only."""
         _refuse_backward("incl_bwd", incl_bwd)
-        if names_filter is not None:
-            if names is not None:
-                raise ValueError("give names= or names_filter= (two spellings of the same selector), not both")
-            names = names_filter
+        names = one_selector(names, names_filter)
         store: dict[str, torch.Tensor] = {}
 
         def record(tensor: torch.Tensor, hook: HookPoint) -> None:

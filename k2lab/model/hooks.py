@@ -79,6 +79,13 @@ def get_act_name(name: str, layer: int | None = None) -> str:
                    f"(short names: {sorted(LAYER_PROBES)} per layer, {sorted(MODEL_PROBES)} for the model)")
 
 
+def one_selector(names: NameFilter, names_filter: NameFilter) -> NameFilter:
+    """``names=`` and TransformerLens' ``names_filter=`` are two spellings of one probe selector: the one given."""
+    if names is not None and names_filter is not None:
+        raise ValueError("give exactly one of names= and names_filter= (two spellings of the same selector), not both")
+    return names if names is not None else names_filter
+
+
 class HookPoint(nn.Module):
     """Identity on the forward path. Attached functions may read the tensor (or its gradient) or replace it."""
 
@@ -236,10 +243,7 @@ class HookedModule(nn.Module):
         ``hook_topk_idx``, the detached ``hook_max_logit``, and ``hook_choice_scores``, which only ranks experts)
         get no ``_grad`` entry.
         """
-        if names_filter is not None:
-            if names is not None:
-                raise ValueError("give names= or names_filter= (two spellings of the same selector), not both")
-            names = names_filter
+        names = one_selector(names, names_filter)
         from ..analysis.cache import ActivationCache  # the model package does not import analysis at import time
 
         selected = self.select_hook_names(names)

@@ -191,17 +191,25 @@ def resolve_device_map(cfg: K2Config, device_map: DeviceMap, *, fp8: bool = True
     if isinstance(device_map, str) or not isinstance(device_map, Mapping):
         raise ValueError(f"device_map must be None, 'auto' or a mapping {{module prefix: device}}, got {device_map!r}")
     prefixes = {key.removeprefix("model.") if key != "model" else "": value for key, value in device_map.items()}
+    keys = unit_keys(cfg, prefixes, "device_map", "device")
+    out = {unit: _as_device(prefixes[key], key) for unit, key in keys.items()}
+    return out
+
+
+def unit_keys(cfg: K2Config, prefixes: Mapping[str, object], what: str, value: str) -> dict[str, str]:
+    """{unit: the key of ``prefixes`` that places it}: each placement unit takes its longest matching module prefix
+    (``""`` matches all). ``what`` and ``value`` name the mapping and what it gives in errors (device_map, device)."""
+    units = placement_units(cfg)
     for key in prefixes:
         if key and not any(u == key or u.startswith(key + ".") for u in units):
-            raise ValueError(f"device_map key {key!r} names no unit of this model; units are whole blocks: "
+            raise ValueError(f"{what} key {key!r} names no unit of this model; units are whole blocks: "
                              f"embed_tokens, layers.0 .. layers.{cfg.num_hidden_layers - 1}, norm, lm_head")
     out = {}
     for unit in units:
         matches = [k for k in prefixes if k == "" or unit == k or unit.startswith(k + ".")]
         if not matches:
-            raise ValueError(f"device_map places no device for {unit} (add it, or a '' entry for everything else)")
-        key = max(matches, key=len)
-        out[unit] = _as_device(prefixes[key], key)
+            raise ValueError(f"{what} places no {value} for {unit} (add it, or a '' entry for everything else)")
+        out[unit] = max(matches, key=len)
     return out
 
 

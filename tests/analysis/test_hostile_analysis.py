@@ -7,16 +7,14 @@ import dataclasses
 
 import pytest
 import torch
+from tiny import MICRO
 
 from k2lab import K2Config, K2Model
 from k2lab.analysis import routing
 from k2lab.analysis.accounting import block_parameters, count_parameters, kv_cache_bytes, weight_bytes
 from k2lab.analysis.interventions import ablate_experts, edit_bias, force_route, patch
 
-TINY = K2Config.mini().replace(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                               num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
-                               qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4,
-                               num_experts_per_tok=2)
+TINY = MICRO  # tests/tiny.py
 IDS = torch.tensor([[1, 2, 3, 4]])
 
 
