@@ -61,8 +61,9 @@ def score_split_figure(content: torch.Tensor, rotary: torch.Tensor, tokens: Sequ
         fig.add_trace(go.Heatmap(z=shown, x=labels, y=labels[-T:], colorscale=DIVERGING, zmid=0, zmin=-bound,
                                  zmax=bound, colorbar=dict(x=right + 0.005, xanchor="left", len=0.8, thickness=10),
                                  hovertemplate="query %{y}<br>key %{x}<br>%{z:.2f}<extra></extra>"), row=1, col=col)
-    fig.update_yaxes(autorange="reversed", showticklabels=False, dtick=1)
-    fig.update_yaxes(showticklabels=True, col=1)
-    fig.update_xaxes(tickangle=-60, dtick=1)
+    step = max(1, -(-S // 16))  # at most 16 token labels per axis, so long prompts stay readable
+    fig.update_yaxes(autorange="reversed", showticklabels=False, dtick=step)
+    fig.update_yaxes(showticklabels=True, automargin=True, col=1)
+    fig.update_xaxes(tickangle=-60, dtick=step, automargin=True)
     return finish(fig, title or "Attention scores split into content and rotary part (each its own colour range)",
                   height=460, legend=False)
