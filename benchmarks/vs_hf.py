@@ -15,7 +15,11 @@ reported, and the load average is printed with them.
 - roofline: a decode step must read the active weights (attention, dense/shared/router, k experts per MoE
   layer, the head) and the cache; divided by the measured copy bandwidth that is the fastest possible step.
 - GEMV ceiling: the same matrices read by bare matrix-vector products, one call each and no model logic around
-  them, timed in the same run: the fastest an eager implementation of the step can be on this CPU.
+  them, timed in the same run: what the step's weight reads alone cost.
+- eager floor: the same step written out by hand with the fewest eager ops (``benchmarks.eager_floor``): the
+  norms, rotations, softmax, routing and activations a step needs besides its GEMVs, at one dispatch each, with
+  no probes or modules. No eager implementation of the step can be faster, so its share of the GEMV ceiling
+  bounds what the model's can reach, and HF / floor bounds the decode ratio.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import k2lab
 from k2lab import K2Config
 from k2lab.weights.schema import checkpoint_tensors
 
+from .eager_floor import check_supported, minimal_decode_step
 from .timing import matmul_rate
 
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
@@ -150,7 +155,9 @@ def gemv_calls(shapes: list[tuple[int, int]]) -> Callable[[], object]:
 
 def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[str, Callable[[], object]]:
     """One decode step at ``context`` cached tokens through each side's cache, cropped back after every step so
-    each timed step sees the same context: HF, k2lab's default call (auto picks absorbed), k2lab naive."""
+    each timed step sees the same context: HF, k2lab's default call (auto picks absorbed), k2lab naive, the same
+    step hand-written with the fewest eager ops (``benchmarks.eager_floor``, checked against the model's logits
+    first), and bare GEMVs over the step's matrices."""
     vocab = ours.config.vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=generator)
     step = torch.randint(0, vocab, (1, 1), generator=generator)
@@ -167,8 +174,17 @@ def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[st
         ours(step, cache=caches[impl], attn_impl=impl)
         caches[impl].crop(context)
 
+    token = int(step[0, 0])
+    expected = ours(step, cache=caches["auto"])[0]  # [1, V]
+    caches["auto"].crop(context)
+    floor = minimal_decode_step(ours, caches["auto"], token)
+    if not torch.allclose(floor, expected, atol=1e-4, rtol=0):
+        raise AssertionError(f"the eager-floor step's logits differ from the model's by "
+                             f"{(floor - expected).abs().max():.2e}: it no longer computes the same step")
+
     gemv = gemv_calls(decode_matrices(ours.config, context))
-    return {"hf": hf_step, "k2lab": lambda: our_step("auto"), "naive": lambda: our_step("naive"), "gemv": gemv}
+    return {"hf": hf_step, "k2lab": lambda: our_step("auto"), "naive": lambda: our_step("naive"),
+            "floor": lambda: minimal_decode_step(ours, caches["auto"], token), "gemv": gemv}
 
 
 def table(rows: list[tuple[str, str, list[str]]], threads: list[int]) -> str:
@@ -199,6 +215,7 @@ def main() -> None:
 
     cfg = BENCH
     ref, ours = build_pair(cfg)
+    check_supported(ours)
     gen = torch.Generator().manual_seed(0)
     print(f"config: {cfg.num_hidden_layers} layers, {cfg.hidden_size} wide, {cfg.n_routed_experts} experts "
           f"top-{cfg.num_experts_per_tok}, float32; threads {threads}; {args.rounds} rounds, medians")
@@ -227,8 +244,8 @@ def main() -> None:
               [" / ".join(f"{prefill[name, n] * 1e3:.0f}" for name in ("hf", "k2lab", "naive", "absorbed"))
                for n in threads])]
     for context, t in decode.items():
-        times.append((f"decode at {context}: HF / default / naive / bare GEMVs (ms)", "",
-                      [" / ".join(f"{t[name, n] * 1e3:.1f}" for name in ("hf", "k2lab", "naive", "gemv"))
+        times.append((f"decode at {context}: HF / default / naive / eager floor / bare GEMVs (ms)", "",
+                      [" / ".join(f"{t[name, n] * 1e3:.1f}" for name in ("hf", "k2lab", "naive", "floor", "gemv"))
                        for n in threads]))
     bandwidth = {n: 2 * (1 << 28) / prefill["copy", n] for n in threads}
     for context in decode:
@@ -249,6 +266,11 @@ def main() -> None:
     for context, t in decode.items():
         rows.append((f"decode at {context}: bare-GEMV ceiling / k2lab step", ">= 80%",
                      cells(lambda n, t=t: t["gemv", n] / t["k2lab", n], ".0%")))
+    for context, t in decode.items():  # what no eager implementation of the step can beat on this machine
+        rows.append((f"decode at {context}: bare-GEMV ceiling / eager-floor step", "",
+                     cells(lambda n, t=t: t["gemv", n] / t["floor", n], ".0%")))
+        rows.append((f"decode at {context}: eager-floor step vs HF", "",
+                     cells(lambda n, t=t: t["hf", n] / t["floor", n], ".2f")))
     first, last = args.contexts[0], args.contexts[-1]
     rows.append((f"decode step at {last} / at {first} context (flat in context)", "",
                  cells(lambda n: decode[last]["k2lab", n] / decode[first]["k2lab", n], ".2f")))

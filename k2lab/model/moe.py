@@ -157,20 +157,12 @@ class RoutedExperts(nn.Module):
         order = flat.argsort(stable=True)  # slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         experts = [e for e, count in enumerate(counts) if count]
-        sizes = [counts[e] for e in experts]
-        if torch.is_grad_enabled():
-            # Training: one gather, one split, one cat and one scatter, so that backward is one pass of each.
-            # Indexing per group or writing in place would make autograd allocate a whole [N*k, D] gradient per
-            # expert.
-            grouped = x[order // k].split(sizes)  # per chosen expert, its tokens [n, D]
-            by_expert = torch.cat([self.expert(e, h) for e, h in zip(experts, grouped, strict=True)])  # [N*k, D]
-            return by_expert.new_empty(N * k, x.shape[-1]).index_copy_(0, order, by_expert).view(N, k, -1)
-        # Inference: each group's tokens are gathered just before its expert runs and its output is written
-        # straight into its slots, while both are still in cache (about 20% faster at prefill than the above).
-        out = x.new_empty(N * k, x.shape[-1])  # [N*k, D] in slot layout
-        for e, slots in zip(experts, order.split(sizes), strict=True):
-            out[slots] = self.expert(e, x[slots // k])  # [n, D] to the group's slots
-        return out.view(N, k, -1)
+        # One gather, one cat and one un-permuting gather whatever the number of experts, so backward is one pass of
+        # each (per-group indexing or in-place writes would make autograd allocate a whole [N*k, D] gradient per
+        # expert). index_select moves rows two to three times faster than x[order] or index_copy_ on the CPU.
+        grouped = x.index_select(0, order // k).split([counts[e] for e in experts])  # per chosen expert [n, D]
+        by_expert = torch.cat([self.expert(e, h) for e, h in zip(experts, grouped, strict=True)])  # [N*k, D]
+        return by_expert.index_select(0, order.argsort()).view(N, k, -1)  # back to slot order
 
 
 class MoE(nn.Module):
@@ -192,7 +184,9 @@ class MoE(nn.Module):
         B, T, D = x.shape
         idx, weights = self.gate(x)  # [B, T, k], [B, T, k]
         expert_out = self.hook_expert_out(self.experts(x.reshape(B * T, D), idx.reshape(B * T, -1)).view(B, T, -1, D))
-        routed = self.hook_routed_out((expert_out * weights[..., None]).sum(dim=2).to(x.dtype))  # [B, T, D]
+        # The weighted sum over the k slots in float32, as one batched [1, k] @ [k, D] product per token
+        routed = torch.matmul(weights.unsqueeze(-2), expert_out.float()).squeeze(-2)  # [B, T, D]
+        routed = self.hook_routed_out(routed.to(x.dtype))
         if self.shared_experts is None:
             return routed
         return routed + self.hook_shared_out(self.shared_experts(x))

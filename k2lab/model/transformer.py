@@ -281,7 +281,7 @@ class K2Model(HookedModule):
         # Reading the ids back is a sync that torch.compile would break its graph on; compiled callers (the
         # training run) feed ids they sampled from the tokenizer's own stream.
         if not torch.compiler.is_compiling():
-            lo, hi = input_ids.min().item(), input_ids.max().item()
+            lo, hi = (bound.item() for bound in torch.aminmax(input_ids))
             if lo < 0 or hi >= vocab:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"token id {bad} is outside the vocabulary of {vocab} (valid ids: 0..{vocab - 1})")

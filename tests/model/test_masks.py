@@ -63,7 +63,9 @@ def test_padded_rows_equal_rows_alone_and_pads_change_nothing(pair, attn_impl):
             for i, s in enumerate(seqs):
                 alone = model(s[None], attn_impl=attn_impl)[0]
                 assert relative_error(batch[i][mask[i].bool()], alone) < 1e-5
-        assert torch.allclose(batch[mask.bool()], again[mask.bool()], atol=1e-6)
+        # Other pad tokens route to other experts, so the real rows meet other row counts in the experts' GEMMs, which
+        # the BLAS may block differently: equal to float32 rounding (a few ulps), not bit for bit.
+        assert relative_error(batch[mask.bool()], again[mask.bool()]) < 1e-6
 
 
 def test_all_ones_mask_is_no_mask(pair):
