@@ -59,7 +59,7 @@ def minimal_decode_step(model: K2Model, cache: LatentCache, token: int) -> torch
         w_kv_b = attn.kv_b_proj.weight.view(H, N + V, C)
         q_absorbed = torch.bmm(q[:, None, :N], w_kv_b[:, :N])[:, 0]  # [H, C]
         query = torch.cat((q_absorbed, _rotate(q[:, N:], turn)), -1)  # [H, C + R]
-        pattern = torch.softmax(query @ entries.T * attn.softmax_scale, -1)  # [H, S]
+        pattern = torch.softmax((entries @ query.T).T * attn.softmax_scale, -1)  # [H, S], cache rows first
         z = torch.bmm((pattern @ entries[:, :C])[:, None], w_kv_b[:, N:].transpose(1, 2))  # [H, 1, V]
         x = x + F.linear(z.view(1, H * V), attn.o_proj.weight)
         h = F.rms_norm(x, x.shape[-1:], layer.post_attention_layernorm.weight, eps)

@@ -248,7 +248,10 @@ class MultiHeadLatentAttention(nn.Module):
         q_latent = q_latent.view(H, B, T, C).transpose(0, 1)  # [B, H, T, C]
         # The scale goes on the H*T query rows rather than on the H*T*S scores.
         query = torch.cat((q_latent, q_pe.transpose(1, 2)), dim=-1) * self.softmax_scale  # [B, H, T, C+R]
-        scores = torch.bmm(query.view(B, H * T, -1), entries.transpose(1, 2)).view(B, H, T, S)  # scaled
+        # Written cache-rows first ([B, S, C+R] @ [B, C+R, H*T]), so that each cached row streams past all H*T query
+        # rows once: the tall, skinny product splits over threads where [H*T, C+R] @ [C+R, S] does not.
+        scores = torch.bmm(entries, query.view(B, H * T, -1).transpose(1, 2)).transpose(1, 2)  # [B, H*T, S]
+        scores = scores.unflatten(1, (H, T))  # [B, H, T, S] scaled
         mask = attn_mask if attn_mask is not None else causal_mask(T, S, q_nope.device) if T > 1 else None
         pattern = self._probe_pattern(scores, mask, q_nope.dtype)  # [B, H, T, S]
         out_latent = torch.bmm(pattern.view(B, H * T, S), entries[..., :C])  # [B, H*T, C]
