@@ -79,19 +79,9 @@ class RotaryEmbedding:
         return angles.cos() * self.scale, angles.sin() * self.scale
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [..., R] by cos/sin that broadcast to it ([T, 1, R] for [B, T, H, R]; [T, R] for [B, T, R]).
-
-        Each pair (a, b) is read as the complex number a + ib and multiplied by e^(i angle) = cos + i sin: one
-        multiplication instead of the rotate-half formula's six ops, in float32 (or wider) and rounded once, as in
-        DeepSeek-V3's reference code. The output lists every pair's first part, then every second part: the
-        rotate-half layout, bit for bit what de-interleaving then rotating gives in float32."""
+        """Rotate x [..., R] by cos/sin that broadcast to it ([T, 1, R] for [B, T, H, R]; [T, R] for [B, T, R])."""
+        if self.interleaved:  # (x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...)
+            x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
         half = x.shape[-1] // 2
-        pairs = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        if self.interleaved:  # the checkpoint's pairs are neighbours: (x0, x1), (x2, x3), ...
-            pairs = pairs.unflatten(-1, (half, 2))  # [..., R/2, 2]
-        else:  # already in halves: pair i is (x_i, x_{i + R/2})
-            pairs = pairs.unflatten(-1, (2, half)).transpose(-1, -2)  # [..., R/2, 2]
-        if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(s % 2 for s in pairs.stride()[:-1]):
-            pairs = pairs.contiguous()  # a complex view needs each pair's two floats side by side
-        turned = torch.view_as_complex(pairs) * torch.complex(cos[..., :half], sin[..., :half])  # [..., R/2]
-        return torch.view_as_real(turned).transpose(-1, -2).flatten(-2).to(x.dtype)  # [..., R] firsts, then seconds
+        rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x * cos.to(x.dtype) + rotated_half * sin.to(x.dtype)).to(x.dtype)
