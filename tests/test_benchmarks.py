@@ -1,0 +1,60 @@
+"""The benchmarks' measuring sticks measure what they claim: the eager-floor step computes the model's decode step,
+and a kernel replay re-issues exactly the recorded kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import TINY, random_model, token_ids
+
+from benchmarks.eager_floor import check_supported, minimal_decode_step
+from benchmarks.replay import heavy_kernels
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = random_model(TINY, seed=3)
+    with torch.no_grad():  # spread the router logits so the experts chosen differ from token to token
+        for layer in m.layers[m.config.first_k_dense_replace:]:
+            layer.mlp.gate.weight.normal_(0, 3 / m.config.hidden_size**0.5)
+    return m
+
+
+@torch.no_grad()
+def test_the_eager_floor_step_gives_the_models_decode_logits_and_leaves_the_cache_alone(model):
+    check_supported(model)
+    prompt = token_ids(TINY, batch=1, length=12)
+    cache = model.new_cache(1)
+    model(prompt, cache=cache)
+    for token in (5, 77, 300):
+        floor = minimal_decode_step(model, cache, token)  # [1, V]
+        assert cache.length == 12  # written after the context, not advanced
+        expected = model(torch.tensor([[token]]), cache=cache)[0]
+        cache.crop(12)
+        assert (floor - expected).abs().max() < 1e-4 * expected.abs().max()
+
+
+def test_the_eager_floor_names_what_it_does_not_handle(model):
+    with pytest.raises(ValueError, match="float32 weights.*one expert group"):
+        check_supported(random_model(TINY.replace(n_routed_experts=16, n_group=4, topk_group=2)).to(torch.bfloat16))
+
+
+def test_a_replay_reissues_the_recorded_kernels_on_the_same_inputs_and_nothing_else():
+    a, b, v = torch.randn(3, 4), torch.randn(4, 5), torch.randn(2, 3, 4)
+    seen = []
+
+    def call():
+        seen.append(1)  # Python around the kernels does not run again
+        return (a @ b + 1).relu(), torch.bmm(v, v.transpose(1, 2))
+
+    replay, count = heavy_kernels(call)
+    assert count == 2 and seen == [1]
+    product, batched = replay()
+    assert seen == [1]
+    torch.testing.assert_close(product, a @ b)  # the bare product: the addition and relu are not replayed
+    torch.testing.assert_close(batched, torch.bmm(v, v.transpose(1, 2)))
+
+
+def test_a_replay_of_a_call_without_kernels_is_refused():
+    with pytest.raises(ValueError, match="no matrix product"):
+        heavy_kernels(lambda: torch.ones(3) * 2)
