@@ -1,0 +1,88 @@
+"""The MoE dispatch's data movement at prefill, each choice against the one it replaced, at one thread and all cores.
+
+    python -m benchmarks.moe_dispatch [--tokens 512] [--rounds 15]
+
+On the benchmark config of ``benchmarks.vs_hf`` (64 experts of 256, top-8, width 768, float32) with routing drawn
+from a real router over random hidden states, so expert loads are uneven as in a model:
+- gather: each slot's token row, grouped by expert: ``x[order // k]`` against ``x.index_select(0, order // k)``;
+- un-permute: expert outputs back to slot order: ``index_copy_`` against ``index_select`` with the inverse
+  permutation (its argsort included);
+- combine: the weighted sum over the k slots: multiply and sum against one batched [1, k] @ [k, D] matmul;
+- a whole routed-experts call, k2lab's (one gather, one cat, one un-permute) against gathering and scattering
+  group by group (the inference path it replaced).
+Each pair's results are checked equal before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from k2lab.model.moe import MoE
+
+from .vs_hf import BENCH, alternate_threads
+
+
+def per_group(experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The replaced inference path: each group's tokens gathered just before its expert runs, its output written
+    straight into its slots."""
+    N, k = idx.shape
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
+    chosen = [e for e, count in enumerate(counts) if count]
+    out = x.new_empty(N * k, x.shape[-1])
+    for e, slots in zip(chosen, order.split([counts[e] for e in chosen]), strict=True):
+        out[slots] = experts.expert(e, x[slots // k])
+    return out.view(N, k, -1)
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    cfg = BENCH
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        p.normal_(0, 0.02)
+    moe.gate.weight.normal_(0, 3 / cfg.hidden_size**0.5)  # as vs_hf: routing that is not uniform noise
+    x = torch.randn(args.tokens, cfg.hidden_size)
+    idx, weights = moe.gate(x)  # [N, k]
+    k = idx.shape[1]
+    counts = torch.bincount(idx.flatten(), minlength=cfg.n_routed_experts)
+    order = idx.flatten().argsort(stable=True)
+    rows = torch.randn(args.tokens * k, cfg.hidden_size)
+    slots = torch.randn(args.tokens, k, cfg.hidden_size)
+
+    pairs = {
+        "gather": (lambda: x[order // k], lambda: x.index_select(0, order // k)),
+        "un-permute": (lambda: rows.new_empty(rows.shape).index_copy_(0, order, rows),
+                       lambda: rows.index_select(0, order.argsort())),
+        "combine": (lambda: (slots * weights[..., None]).sum(dim=1),
+                    lambda: torch.matmul(weights.unsqueeze(-2), slots).squeeze(-2)),
+        "routed experts": (lambda: per_group(moe.experts, x, idx), lambda: moe.experts(x, idx)),
+    }
+    for name, (old, new) in pairs.items():
+        torch.testing.assert_close(old(), new(), rtol=1e-5, atol=1e-6, msg=f"{name}: the two ways differ")
+
+    threads = sorted({1, os.cpu_count() or 1})
+    runs = {f"{name} {which}": fn for name, pair in pairs.items() for which, fn in zip(("old", "new"), pair,
+                                                                                         strict=True)}
+    times = alternate_threads(runs, threads, args.rounds)
+    print(f"{args.tokens} tokens, {cfg.n_routed_experts} experts top-{k}, width {cfg.hidden_size}; tokens per "
+          f"expert max / mean {counts.max().item() / counts.float().mean().item():.2f}; {args.rounds} rounds, medians")
+    print(f"{'':16s}" + "".join(f"{f'{n} thread(s): old / new ms, new/old':>44s}" for n in threads))
+    for name in pairs:
+        cells = [f"{times[f'{name} old', n] * 1e3:9.2f} / {times[f'{name} new', n] * 1e3:7.2f}  "
+                 f"{times[f'{name} new', n] / times[f'{name} old', n]:12.2f}" for n in threads]
+        print(f"{name:16s}" + "".join(f"{c:>44s}" for c in cells))
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()
