@@ -62,7 +62,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .analysis import interventions, routing
     from .analysis.accounting import count_parameters, kv_cache_bytes, weight_bytes
     from .lab.nano import load_nano
-    from .model import K2Model, LatentCache, generate
+    from .model import K2Model, LatentCache, generate, get_act_name
     from .tokenizer import K2Tokenizer, load_tokenizer
     from .weights import load, plan
 

@@ -69,7 +69,8 @@ class K2Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"K2Config.{name} must be a positive integer, got {value!r}")
-        counts = ("first_k_dense_replace", "intermediate_size", "n_shared_experts", "original_max_position_embeddings")
+        counts = ("first_k_dense_replace", "intermediate_size", "n_shared_experts", "original_max_position_embeddings",
+                  "num_nextn_predict_layers")
         for name in counts:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -122,10 +123,6 @@ class K2Config:
         if self.topk_method == "greedy" and self.n_group != 1:
             raise ValueError(f"K2Config.topk_method='greedy' ignores expert groups: n_group must be 1, got "
                              f"{self.n_group}")
-        mtp = self.num_nextn_predict_layers
-        if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
-            raise ValueError(f"K2Config.num_nextn_predict_layers must be an integer >= 0, got "
-                             f"{self.num_nextn_predict_layers!r}")
         if self.rope_type not in (None, "yarn"):
             raise ValueError(f"K2Config.rope_type must be None or 'yarn', got {self.rope_type!r}")
         if self.rope_type == "yarn" and self.rope_factor < 1:

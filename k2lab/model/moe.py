@@ -91,6 +91,7 @@ class Router(nn.Module):
         self.hook_scores = HookPoint()  # [B, T, E] sigmoid(logits), or softmax(logits) for a softmax router
         self.hook_choice_scores = HookPoint()  # [B, T, E] scores + correction bias (the scores without one)
         self.hook_topk_idx = HookPoint()  # [B, T, k] chosen experts (int64); replacing it re-routes
+        self.hook_topk_idx.index_bound = cfg.n_routed_experts  # a replacement route must name real experts
         self.hook_topk_weights = HookPoint()  # [B, T, k] float32 weights of the chosen experts
 
     def _apply(self, fn, recurse=True):

@@ -50,8 +50,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = MultiHeadLatentAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        if isinstance(self.mlp, MoE):  # a replacement route must name real experts
-            self.mlp.gate.hook_topk_idx.index_bound = cfg.n_routed_experts
         self.hook_resid_pre = HookPoint()  # [B, T, D] block input
         self.hook_attn_out = HookPoint()  # [B, T, D] attention's write to the residual
         self.hook_resid_mid = HookPoint()  # [B, T, D] after attention

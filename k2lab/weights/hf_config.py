@@ -120,7 +120,6 @@ def _require(raw: dict, key: str, allowed: tuple, where: str, default: Any = Non
 
 def _fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
     """Translate and check a HF config dict into K2Config keyword arguments."""
-    raw = _accept_scale_fmt(raw, where)
     model_type = raw.get("model_type", "deepseek_v3")
     refused = _REFUSED_MODEL_TYPES.get(model_type) or next(
         (_REFUSED_MODEL_TYPES[kind] for key, kind in _REFUSED_KEYS.items() if key in raw), None)
@@ -161,7 +160,7 @@ def _fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
             if len(ids) != 1:
                 raise ValueError(f"{where}: {key}={ids}: k2lab supports a single id")
             fields[key] = ids[0]
-    fields = {**OPTIONAL_KEYS, **_family_defaults(model_type), **fields}
+    fields = {**defaults, **fields}
     fields.update(_rope_from_hf(raw, where))
     if "n_shared_experts" in raw and raw["n_shared_experts"] is None:
         fields["n_shared_experts"] = 0
@@ -179,19 +178,6 @@ def _family_defaults(model_type: str) -> dict[str, Any]:
         return {"scoring_func": "softmax", "topk_method": "greedy", "norm_topk_prob": False,
                 "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0}
     return {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": 0}
-
-
-def _accept_scale_fmt(raw: dict, where: str) -> dict:
-    """DeepSeek-V3.1's FP8 ``quantization_config`` adds ``scale_fmt: "ue8m0"``: its block scales are powers of two
-    (an unsigned 8-bit exponent, no mantissa), for kernels that also round their activation scales so. The stored
-    ``weight_scale_inv`` stays float32, so dequantizing weight block * scale_inv is unchanged: accepted and dropped."""
-    quant = raw.get("quantization_config")
-    if not isinstance(quant, dict) or "scale_fmt" not in quant:
-        return raw
-    if quant["scale_fmt"] not in ("ue8m0", None):
-        raise ValueError(f"{where}: quantization_config scale_fmt={quant['scale_fmt']!r} is not implemented by k2lab "
-                         "(supported: 'ue8m0', power-of-two float32 scales)")
-    return raw | {"quantization_config": {k: v for k, v in quant.items() if k != "scale_fmt"}}
 
 
 def _rope_from_hf(raw: dict, where: str) -> dict[str, Any]:

@@ -167,8 +167,7 @@ def _partition(sizes: list[int], usable: list[int]) -> list[int]:
     return pack(hi)  # type: ignore[return-value]
 
 
-def resolve_device_map(cfg: K2Config, device_map: DeviceMap, *, fp8: bool = True,
-                       expert_budget_bytes: int | None = None,
+def resolve_device_map(cfg: K2Config, device_map: DeviceMap, *, expert_budget_bytes: int | None = None,
                        format: QuantFormat | str | None = None) -> dict[str, torch.device]:
     """{unit: device} for every unit of ``cfg``.
 
@@ -183,7 +182,7 @@ def resolve_device_map(cfg: K2Config, device_map: DeviceMap, *, fp8: bool = True
         if not torch.cuda.is_available():
             return dict.fromkeys(units, torch.device("cpu"))
         free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
-        placed = plan(cfg, free, fp8=fp8, expert_budget_bytes=expert_budget_bytes, format=format)
+        placed = plan(cfg, free, expert_budget_bytes=expert_budget_bytes, format=format)
         if not placed.fits:
             raise ValueError(f"device_map='auto': the model does not fit the visible GPUs' free memory; try "
                              f"num_layers= or expert_budget_bytes=\n{placed}")

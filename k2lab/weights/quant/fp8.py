@@ -115,6 +115,12 @@ class FP8Format(QuantFormat):
 
     @classmethod
     def from_quantization_config(cls, config: dict[str, Any], where: str) -> FP8Format:
+        # DeepSeek-V3.1 adds scale_fmt "ue8m0": its block scales are powers of two (an unsigned 8-bit exponent, for
+        # kernels that round their activation scales so), still stored as float32 weight_scale_inv, so dequantizing
+        # is unchanged. Any other scale format is refused.
+        if config.get("scale_fmt") not in (None, "ue8m0"):
+            raise ValueError(f"{where}: quantization_config scale_fmt={config['scale_fmt']!r} is not implemented by "
+                             "k2lab (supported: 'ue8m0', power-of-two float32 scales)")
         block = config.get("weight_block_size")
         if config.get("fmt", "e4m3") != "e4m3" or not isinstance(block, (list, tuple)) or len(block) != 2:
             raise ValueError(f"{where}: quantization_config {config} is not implemented by k2lab "
