@@ -259,8 +259,8 @@ class ActivationCache(Mapping[str, torch.Tensor]):
         """
         parts = self.decompose_resid(pos)
         x = parts.residual.float()  # [B, (T,) D]
-        norm, head = self.model.norm, self.model.lm_head.weight
-        inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)  # [B, (T,) 1]
+        head = self.model.lm_head.weight
+        scale = self._frozen_norm_scale(pos)  # [B, (T,) D]
         if isinstance(target, int) or not target.is_floating_point():
             target = torch.as_tensor(target, device=head.device)
             if target.dim() == 1 and x.dim() == 3:
@@ -270,7 +270,7 @@ class ActivationCache(Mapping[str, torch.Tensor]):
             direction = target
         direction = direction.to(x.device, torch.float32)
         try:
-            readout = (direction * norm.weight.to(x.device, torch.float32) * inv_rms).expand_as(x)  # [B, (T,) D]
+            readout = (direction * scale).expand_as(x)  # [B, (T,) D]
         except RuntimeError as err:
             raise ValueError(f"target gives a direction of shape {tuple(direction.shape)}, which does not broadcast "
                              f"to the final residual {tuple(x.shape)}") from err
@@ -320,13 +320,19 @@ class ActivationCache(Mapping[str, torch.Tensor]):
         each into its direct contribution to the logits. ``pos`` must be what selected the stack's positions."""
         L = len(self.model.layers)
         self._require("apply_ln_to_stack", [f"layers.{L - 1}.hook_resid_post"])
-        x = _at(self[f"layers.{L - 1}.hook_resid_post"], pos).float()  # [B, (T,) D]
-        if tuple(stack.shape[stack.dim() - x.dim() :]) != tuple(x.shape):
+        scale = self._frozen_norm_scale(pos)  # [B, (T,) D]
+        if tuple(stack.shape[stack.dim() - scale.dim() :]) != tuple(scale.shape):
             raise ValueError(f"a stack of shape {tuple(stack.shape)} does not end with the final residual's "
-                             f"{tuple(x.shape)} at pos={pos!r}; pass the pos the stack was made with")
+                             f"{tuple(scale.shape)} at pos={pos!r}; pass the pos the stack was made with")
+        return stack.float() * scale.to(stack.device)
+
+    def _frozen_norm_scale(self, pos: Pos) -> torch.Tensor:
+        """[B, (T,) D] float32 g / rms(x) at the final residual x: the final RMSNorm with its rms frozen, the one
+        linear map that both ``logit_attribution`` and ``apply_ln_to_stack`` apply to residual terms."""
+        x = _at(self[f"layers.{len(self.model.layers) - 1}.hook_resid_post"], pos).float()  # [B, (T,) D]
         norm = self.model.norm
         inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)  # [B, (T,) 1]
-        return stack.float() * norm.weight.to(x.device, torch.float32) * inv_rms.to(stack.device)
+        return norm.weight.to(x.device, torch.float32) * inv_rms
 
     def _require(self, what: str, names: list[str]) -> None:
         missing = [n for n in names if n not in self]

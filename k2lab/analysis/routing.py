@@ -325,10 +325,12 @@ def _check_counts(counts: torch.Tensor) -> torch.Tensor:
     return counts
 
 
-def _chosen(tr: RoutingTrace) -> torch.Tensor:
-    """[L_moe, B, T, E] bool: expert e is in token t's chosen set (nothing at pads)."""
-    out = torch.zeros(tr.scores.shape, dtype=torch.bool, device=tr.indices.device)
-    return out.scatter_(-1, tr.indices, True) & tr.real_tokens()[None, :, :, None]
+def _chosen(tr: RoutingTrace, top: int | None = None) -> torch.Tensor:
+    """[L_moe, B, T, E] bool: expert e is in token t's chosen set, its first ``top`` slots (all k when None);
+    nothing at pads."""
+    idx = tr.indices if top is None else tr.indices[..., :top]  # [L_moe, B, T, top]
+    out = torch.zeros(tr.scores.shape, dtype=torch.bool, device=idx.device)
+    return out.scatter_(-1, idx, True) & tr.real_tokens()[None, :, :, None]
 
 
 # ---- contrasting two sets of texts -----------------------------------------------------------------------------------
@@ -431,8 +433,7 @@ def _per_sequence(tr: RoutingTrace, top: int | None) -> tuple[torch.Tensor, torc
     idx = tr.indices if top is None else tr.indices[..., :top]  # [L_moe, B, T, top]
     weights = tr.weights if top is None else tr.weights[..., :top]
     real = tr.real_tokens()[None, :, :, None]  # [1, B, T, 1]
-    E = tr.scores.shape[-1]
-    chosen = torch.zeros(*idx.shape[:3], E, dtype=torch.float64, device=idx.device).scatter_(-1, idx, 1.0)
+    chosen = _chosen(tr, top).double()  # [L_moe, B, T, E], pads already zero
     mass = torch.zeros_like(chosen).scatter_add_(-1, idx, weights.double())  # [L_moe, B, T, E]
     tokens = tr.real_tokens().sum(-1).double()  # [B]
-    return tokens.cpu(), (chosen * real).sum(2).cpu(), (mass * real).sum(2).cpu()
+    return tokens.cpu(), chosen.sum(2).cpu(), (mass * real).sum(2).cpu()
