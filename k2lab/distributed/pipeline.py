@@ -43,11 +43,9 @@ from ..model.attention import ATTN_IMPLS, AttnImpl, LatentCache
 from ..model.generate import generate
 from ..model.hooks import HookPoint, Hooks, NameFilter, one_selector
 from ..model.transformer import K2Model, check_attention_mask, rotary_and_mask
-from ..weights import hub
-from ..weights.hf_config import read_config
-from ..weights.load import load, slice_layers
+from ..weights.load import load, read_source_config
 from ..weights.placement import Plan, _describe, device_capacity, plan, unit_keys, unit_of
-from ..weights.quant import UNQUANTIZED, QuantFormat
+from ..weights.quant import UNQUANTIZED
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # a rank may wait this long for a slower rank's load (60 GB from disk)
 _ATTN_IMPLS: tuple[AttnImpl, ...] = ATTN_IMPLS  # sent between ranks by index
@@ -98,23 +96,6 @@ def _describe_stages(stages: Mapping[str, int], world_size: int) -> str:
     return "\n".join(f"rank {r}: {_describe([u for u, s in stages.items() if s == r])}" for r in range(world_size))
 
 
-def _read_config(path_or_repo_id: str | Path, revision: str | None, num_layers: int | None
-                 ) -> tuple[K2Config, QuantFormat]:
-    """The config the load will build and its stored format, without reading any weights (config.json only, from
-    the Hub if need be)."""
-    local = Path(path_or_repo_id).expanduser()
-    if local.is_dir():
-        cfg, fmt = read_config(local / "config.json")
-        return slice_layers(cfg, num_layers), fmt
-    if isinstance(path_or_repo_id, Path) or not hub.is_repo_id(path_or_repo_id):
-        raise FileNotFoundError(f"{path_or_repo_id} is neither a checkpoint folder nor a Hub repo id")
-    config = hub.fetch_file(path_or_repo_id, "config.json", revision)
-    if config is None:
-        raise FileNotFoundError(f"Hub repo {path_or_repo_id} has no config.json")
-    cfg, fmt = read_config(config)
-    return slice_layers(cfg, num_layers), fmt
-
-
 def _capacity(device: torch.device) -> int:
     """What plan may fill on this rank's device: free GPU memory, or the machine's memory."""
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else device_capacity(device)
@@ -146,7 +127,7 @@ class PipelinedK2:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.last = self.world_size - 1
         self.bytes_sent = 0  # payload this rank has sent to other ranks (a broadcast counts once per receiver)
-        cfg, fmt = self._on_every_rank("read config.json", lambda: _read_config(
+        _, cfg, fmt = self._on_every_rank("read config.json", lambda: read_source_config(
             path_or_repo_id, load_kwargs.get("revision"), load_kwargs.get("num_layers")))
         self.plan: Plan | None = None
         if stages is None:

@@ -30,7 +30,6 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -38,7 +37,7 @@ from ..analysis.accounting import count_parameters
 from ..config import K2Config
 from ..model.transformer import K2Model
 from ..tokenizer.tokenizer import K2Tokenizer, load_tokenizer
-from ..weights.load import load
+from ..weights.load import load, read_source_config
 from ..weights.placement import DeviceMap
 from .nano import NANO_DIR
 
@@ -91,15 +90,7 @@ class LabSettings:
             return PRESETS[self.model]()
         if self.is_nano:
             return K2Config.from_hf(NANO_DIR)
-        local = Path(self.model).expanduser()
-        if local.is_dir():
-            return K2Config.from_hf(local)
-        from ..weights.hub import fetch_file
-
-        config = fetch_file(self.model, "config.json", None)
-        if config is None:
-            raise FileNotFoundError(f"K2LAB_MODEL={self.model}: no config.json there")
-        return K2Config.from_hf(config)
+        return read_source_config(self.model)[1]
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LabSettings:

@@ -79,9 +79,11 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
         raise ValueError(f"fp8_resident={fp8_resident} contradicts quantized_resident={quantized_resident}; "
                          "give one (fp8_resident is the earlier name)")
     resident = quantized_resident if quantized_resident is not None else fp8_resident
-    folder = _source_folder(path_or_repo_id, revision, num_layers, progress)
-    full, fmt = read_config(folder / "config.json")
+    config, full, fmt = read_source_config(path_or_repo_id, revision)
     cfg = slice_layers(full, num_layers)
+    # A folder is read in place; from the Hub only the files the sliced config needs are fetched.
+    folder = config.parent if Path(path_or_repo_id).expanduser().is_dir() else \
+        hub.download(path_or_repo_id, cfg, revision, progress)
     checkpoint = Checkpoint(folder)
     checkpoint.check_unexpected(full, fmt)
     weights = checkpoint.weights(cfg, fmt)
@@ -143,22 +145,30 @@ def slice_layers(cfg: K2Config, num_layers: int | None) -> K2Config:
                        num_nextn_predict_layers=0)  # a prefix has no MTP block after it
 
 
-def _source_folder(path_or_repo_id: str | Path, revision: str | None, num_layers: int | None,
-                   progress: bool | None) -> Path:
+def read_source_config(path_or_repo_id: str | Path, revision: str | None = None, num_layers: int | None = None
+                       ) -> tuple[Path, K2Config, QuantFormat]:
+    """A checkpoint's config.json without reading any weights, from a local folder or (that one file) from the Hub:
+    the file read, the architecture sliced to ``num_layers`` blocks (all when None), and the stored format.
+
+    Raises FileNotFoundError for a source that is neither a folder nor a repo id, a repo without config.json, and a
+    repo id not in the cache while offline (huggingface_hub's own error there does not say which source failed).
+    """
     local = Path(path_or_repo_id).expanduser()
     if local.is_dir():
-        return local
-    if isinstance(path_or_repo_id, Path) or not hub.is_repo_id(path_or_repo_id):
+        config = local / "config.json"
+    elif isinstance(path_or_repo_id, Path) or not hub.is_repo_id(path_or_repo_id):
         raise FileNotFoundError(f"{path_or_repo_id} is neither a checkpoint folder nor a Hub repo id")
-    try:
-        config = hub.fetch_file(path_or_repo_id, "config.json", revision)
-    except LocalEntryNotFoundError:
-        raise FileNotFoundError(f"{path_or_repo_id}: no such folder, and not in the Hub cache (offline, or the Hub "
-                                f"could not be reached)") from None
-    if config is None:
-        raise FileNotFoundError(f"Hub repo {path_or_repo_id} has no config.json")
-    cfg = slice_layers(read_config(config)[0], num_layers)
-    return hub.download(path_or_repo_id, cfg, revision, progress)
+    else:
+        try:
+            fetched = hub.fetch_file(path_or_repo_id, "config.json", revision)
+        except LocalEntryNotFoundError:
+            raise FileNotFoundError(f"{path_or_repo_id}: no such folder, and not in the Hub cache (offline, or the "
+                                    f"Hub could not be reached)") from None
+        if fetched is None:
+            raise FileNotFoundError(f"Hub repo {path_or_repo_id} has no config.json")
+        config = fetched
+    cfg, fmt = read_config(config)
+    return config, slice_layers(cfg, num_layers), fmt
 
 
 @dataclass
