@@ -3,6 +3,9 @@ milliseconds. Tests take them as fixtures (conftest.py) or import them where a p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 from hf_oracle import randomize
 
@@ -31,3 +34,31 @@ def random_model(cfg: K2Config = TINY, seed: int = 0) -> K2Model:
 def token_ids(cfg: K2Config = TINY, batch: int = 2, length: int = 17, seed: int = 0) -> torch.Tensor:
     """Seeded random token ids [batch, length] within cfg's vocabulary."""
     return torch.randint(0, cfg.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def micro_model(seed: int = 0) -> K2Model:
+    """An eval-mode MICRO model with init_weights(std=0.1, seed): the hostile-input tests' model, which only has to
+    exist and give finite, seed-dependent logits."""
+    model = K2Model(MICRO)
+    model.init_weights(std=0.1, seed=seed)
+    return model.eval()
+
+
+def attached(model: K2Model) -> int:
+    """How many forward and backward hook functions are attached across all of model's hook points."""
+    return sum(len(model.hook_point(n).fns) + len(model.hook_point(n).bwd_fns) for n in model.hook_names())
+
+
+def assert_refused_unchanged(model: K2Model, ids: torch.Tensor, call: Callable[[K2Model], object],
+                             error: type[Exception], named: str) -> None:
+    """call(model) raises error matching named, and the refusal left model's weights, hooks and logits on ids as
+    they were: a refused argument must not leave a half-applied edit behind."""
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        logits = model(ids)
+    with pytest.raises(error, match=named):
+        call(model)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert attached(model) == 0
+    with torch.no_grad():
+        assert torch.equal(model(ids), logits)
