@@ -20,7 +20,7 @@ def _k2_256k() -> dict:
 K2_INSTRUCT_0905 = _k2_256k()
 
 # K2-Thinking: routed experts INT4 (compressed-tensors pack-quantized, group 32), everything else bfloat16. Reading
-# the quantization_config is the INT4 seam's business; the architecture tests drop it.
+# the quantization_config is the INT4 seam's business; K2Config.from_hf leaves it to the seam.
 K2_THINKING = _k2_256k() | {
     "quantization_config": {
         "quant_method": "compressed-tensors", "format": "pack-quantized",
@@ -92,9 +92,3 @@ KIMI_LINEAR = {
                            "short_conv_kernel_size": 4},
 }
 
-
-def architecture(cfg) -> dict:
-    """A config's fields (the architecture: how a checkpoint stores weights is the quantization format's)."""
-    import dataclasses
-
-    return dataclasses.asdict(cfg)

@@ -7,22 +7,19 @@ import dataclasses
 
 import pytest
 import torch
-from tiny import MICRO
+from tiny import MICRO, assert_refused_unchanged, micro_model
 
 from k2lab import K2Config, K2Model
 from k2lab.analysis import routing
 from k2lab.analysis.accounting import block_parameters, count_parameters, kv_cache_bytes, weight_bytes
 from k2lab.analysis.interventions import ablate_experts, edit_bias, force_route, patch
 
-TINY = MICRO  # tests/tiny.py
 IDS = torch.tensor([[1, 2, 3, 4]])
 
 
 @pytest.fixture(scope="module")
 def model():
-    model = K2Model(TINY)
-    model.init_weights(std=0.1, seed=0)
-    return model.eval()
+    return micro_model()
 
 
 def run(model, intervention):
@@ -62,15 +59,7 @@ def run(model, intervention):
      r"positions \[9\] out of range for 4 positions"),
 ])
 def test_a_bad_intervention_is_named_and_changes_nothing(model, make, error, named):
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
-    with torch.no_grad():
-        logits = model(IDS)
-    with pytest.raises(error, match=named):
-        run(model, make(model))
-    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
-    assert all(not model.hook_point(name).fns for name in model.hook_names())
-    with torch.no_grad():
-        assert torch.equal(model(IDS), logits)
+    assert_refused_unchanged(model, IDS, lambda m: run(m, make(m)), error, named)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +114,7 @@ def test_routing_metrics_name_a_bad_argument(trace, call, error, named):
 
 
 def test_a_dense_only_model_has_no_routing():
-    dense = K2Model(TINY.replace(first_k_dense_replace=2))
+    dense = K2Model(MICRO.replace(first_k_dense_replace=2))
     with pytest.raises(ValueError, match="this model has no MoE layer"):
         routing.trace(dense, IDS)
     with pytest.raises(ValueError, match="this model has no MoE layer"):

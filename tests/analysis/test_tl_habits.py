@@ -5,18 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_oracle import randomize
-
-from k2lab import K2Config, K2Model
-
-TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
 
 
 @pytest.fixture(scope="module")
-def run():
-    model = K2Model(TINY).eval()
-    randomize(model, 0)
-    ids = torch.randint(0, TINY.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+def run(model, ids):
     with torch.no_grad():
         logits, cache = model.run_with_cache(ids)
     return model, logits, cache

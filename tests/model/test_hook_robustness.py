@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import attached
 
 import k2lab
-from k2lab import K2Model
-
-
-def attached(model: K2Model) -> int:
-    return sum(len(model.hook_point(n).fns) + len(model.hook_point(n).bwd_fns) for n in model.hook_names())
 
 
 @pytest.mark.parametrize(("name", "fn", "message"), [

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import MICRO
+from tiny import MICRO, assert_refused_unchanged, micro_model
 
 import k2lab
 from k2lab import K2Model
 
-TINY = MICRO  # tests/tiny.py
 IDS = torch.tensor([[1, 2, 3, 4]])
 
 
@@ -35,22 +34,20 @@ IDS = torch.tensor([[1, 2, 3, 4]])
 ])
 def test_a_bad_config_is_refused_when_made(field, value, named):
     with pytest.raises(ValueError, match=rf"K2Config\.{named}"):
-        TINY.replace(**{field: value})
+        MICRO.replace(**{field: value})
 
 
 @pytest.fixture(scope="module")
 def model():
-    model = K2Model(TINY)
-    model.init_weights(std=0.1, seed=0)
-    return model.eval()
+    return micro_model()
 
 
 def other_cache(kind: str):
     if kind == "layers":
-        return K2Model(TINY.replace(num_hidden_layers=3)).new_cache(1)
+        return K2Model(MICRO.replace(num_hidden_layers=3)).new_cache(1)
     if kind == "width":
-        return K2Model(TINY.replace(kv_lora_rank=8)).new_cache(1)
-    return K2Model(TINY, dtype=torch.bfloat16).new_cache(1)
+        return K2Model(MICRO.replace(kv_lora_rank=8)).new_cache(1)
+    return K2Model(MICRO, dtype=torch.bfloat16).new_cache(1)
 
 
 @pytest.mark.parametrize("call, error, named", [
@@ -79,15 +76,7 @@ def other_cache(kind: str):
     (lambda m: k2lab.generate(m, IDS, -1), ValueError, "max_new_tokens must be an integer >= 0, got -1"),
 ])
 def test_a_bad_forward_or_generate_argument_is_named_and_changes_nothing(model, call, error, named):
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
-    with torch.no_grad():
-        logits = model(IDS)
-    with pytest.raises(error, match=named):
-        call(model)
-    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
-    assert all(not model.hook_point(name).fns for name in model.hook_names())
-    with torch.no_grad():
-        assert torch.equal(model(IDS), logits)
+    assert_refused_unchanged(model, IDS, call, error, named)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])

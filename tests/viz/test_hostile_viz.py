@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 import torch
+from tiny import MICRO
 
-from k2lab import K2Config, K2Model, viz
+from k2lab import K2Model, viz
 from k2lab.analysis import routing
 
 E0 = torch.zeros(0)
@@ -66,11 +67,7 @@ def test_a_figure_names_an_empty_or_mismatched_input(draw, error, named):
 
 @pytest.fixture(scope="module")
 def trace():
-    cfg = K2Config.mini().replace(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                  num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
-                                  qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4,
-                                  num_experts_per_tok=2)
-    return routing.trace(K2Model(cfg), torch.tensor([[1, 2, 3]]))
+    return routing.trace(K2Model(MICRO), torch.tensor([[1, 2, 3]]))
 
 
 @pytest.mark.parametrize("explore, named", [

@@ -9,21 +9,13 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny import MICRO
+from tiny import MICRO, micro_model
 
 import k2lab
 from k2lab import K2Model
 from k2lab.lab.nano import save_checkpoint
 from k2lab.weights.reader import INDEX_FILE, CheckpointError
 from k2lab.weights.writer import write_checkpoint
-
-TINY = MICRO  # tests/tiny.py
-
-
-def tiny_model(seed: int) -> K2Model:
-    model = K2Model(TINY)
-    model.init_weights(std=0.1, seed=seed)
-    return model.eval()
 
 
 def stored(folder) -> dict[str, torch.Tensor]:
@@ -39,7 +31,7 @@ def stored(folder) -> dict[str, torch.Tensor]:
 def saved(tmp_path):
     """A float32 checkpoint of one model, beside a tokenizer file the writer must keep."""
     folder = tmp_path / "ckpt"
-    save_checkpoint(tiny_model(0), folder, fp8=False)
+    save_checkpoint(micro_model(0), folder, fp8=False)
     (folder / "tiktoken.model").write_text("kept")
     return folder
 
@@ -69,7 +61,7 @@ def test_a_write_failing_midway_leaves_the_old_checkpoint_loadable(saved, failur
     before = stored(saved)
     old = k2lab.load(saved, dtype=torch.float32)
     with pytest.raises(error, match=named):
-        write_checkpoint(saved, TINY, source_of(tiny_model(1), **failure), fp8=False)
+        write_checkpoint(saved, MICRO, source_of(micro_model(1), **failure), fp8=False)
     after = stored(saved)
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     again = k2lab.load(saved, dtype=torch.float32)
@@ -81,7 +73,7 @@ def test_a_write_failing_midway_leaves_the_old_checkpoint_loadable(saved, failur
 
 
 def test_a_complete_write_replaces_the_checkpoint_and_keeps_other_files(saved):
-    new = tiny_model(1)
+    new = micro_model(1)
     save_checkpoint(new, saved, fp8=False)
     loaded = k2lab.load(saved, dtype=torch.float32)
     assert torch.equal(loaded.embed_tokens.weight, new.embed_tokens.weight.bfloat16().float())
@@ -99,28 +91,28 @@ def mount_point(saved, monkeypatch):
 def test_a_mount_point_keeps_its_checkpoint_on_failure_and_takes_a_new_one(mount_point):
     before = stored(mount_point)
     with pytest.raises(RuntimeError, match="the source failed midway"):
-        write_checkpoint(mount_point, TINY, source_of(tiny_model(1), fail_at=7), fp8=False)
+        write_checkpoint(mount_point, MICRO, source_of(micro_model(1), fail_at=7), fp8=False)
     after = stored(mount_point)
     assert all(torch.equal(after[k], before[k]) for k in before)
     assert sorted(p.name for p in mount_point.iterdir()) == sorted(
         ["config.json", INDEX_FILE, "model-1-of-1.safetensors", "tiktoken.model"])
-    write_checkpoint(mount_point, TINY, source_of(tiny_model(1)), fp8=False, num_shards=2)
+    write_checkpoint(mount_point, MICRO, source_of(micro_model(1)), fp8=False, num_shards=2)
     assert sorted(p.name for p in mount_point.iterdir()) == sorted(
         ["config.json", INDEX_FILE, "model-1-of-2.safetensors", "model-2-of-2.safetensors", "tiktoken.model"])
-    new = tiny_model(1)
+    new = micro_model(1)
     loaded = k2lab.load(mount_point, dtype=torch.float32)
     assert torch.equal(loaded.embed_tokens.weight, new.embed_tokens.weight.bfloat16().float())
 
 
 def test_fewer_shards_leave_no_stale_shard(tmp_path):
     folder = tmp_path / "ckpt"
-    write_checkpoint(folder, TINY, source_of(tiny_model(0)), fp8=False, num_shards=3)
-    write_checkpoint(folder, TINY, source_of(tiny_model(0)), fp8=False, num_shards=1)
+    write_checkpoint(folder, MICRO, source_of(micro_model(0)), fp8=False, num_shards=3)
+    write_checkpoint(folder, MICRO, source_of(micro_model(0)), fp8=False, num_shards=1)
     assert sorted(p.name for p in folder.glob("*.safetensors")) == ["model-1-of-1.safetensors"]
 
 
 def streamed_or_fp8_resident(saved, kind):
-    save_checkpoint(tiny_model(0), saved, fp8=True)
+    save_checkpoint(micro_model(0), saved, fp8=True)
     if kind == "streamed":
         return k2lab.load(saved, dtype=torch.float32, expert_budget_bytes=10**6)
     return k2lab.load(saved, dtype=torch.float32, fp8_resident=True)
@@ -138,7 +130,7 @@ def test_an_unsaveable_model_is_refused_before_anything_is_written(saved, kind, 
 
 def test_a_meta_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="model cannot be saved: .* is on the meta device"):
-        save_checkpoint(K2Model(TINY, device="meta"), tmp_path / "ckpt")
+        save_checkpoint(K2Model(MICRO, device="meta"), tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -151,18 +143,18 @@ def test_a_meta_model_is_refused(tmp_path):
 ])
 def test_bad_writer_arguments_are_named_before_anything_is_written(tmp_path, kwargs, error, named):
     with pytest.raises(error, match=named):
-        write_checkpoint(tmp_path / "ckpt", TINY, source_of(tiny_model(0)), **{"fp8": False, **kwargs})
+        write_checkpoint(tmp_path / "ckpt", MICRO, source_of(micro_model(0)), **{"fp8": False, **kwargs})
     assert list(tmp_path.iterdir()) == []
 
 
 def test_writer_refuses_a_file_as_folder_and_a_bad_source(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match="folder .*file exists and is not a folder"):
-        write_checkpoint(tmp_path / "file", TINY, source_of(tiny_model(0)), fp8=False)
+        write_checkpoint(tmp_path / "file", MICRO, source_of(micro_model(0)), fp8=False)
     with pytest.raises(OSError, match="folder .*file/ckpt: cannot make its parent folder"):
-        write_checkpoint(tmp_path / "file" / "ckpt", TINY, source_of(tiny_model(0)), fp8=False)
+        write_checkpoint(tmp_path / "file" / "ckpt", MICRO, source_of(micro_model(0)), fp8=False)
     with pytest.raises(TypeError, match="source must be a function"):
-        write_checkpoint(tmp_path / "ckpt", TINY, {"not": "callable"}, fp8=False)
+        write_checkpoint(tmp_path / "ckpt", MICRO, {"not": "callable"}, fp8=False)
     with pytest.raises(TypeError, match="model must be a K2Model"):
         save_checkpoint({"a": torch.zeros(1)}, tmp_path / "ckpt")
     assert [p.name for p in tmp_path.iterdir()] == ["file"]
@@ -173,7 +165,7 @@ def test_writer_names_a_read_only_parent(tmp_path):
     tmp_path.chmod(0o500)
     try:
         with pytest.raises(PermissionError, match="cannot write there or beside it"):
-            write_checkpoint(tmp_path / "ckpt", TINY, source_of(tiny_model(0)), fp8=False)
+            write_checkpoint(tmp_path / "ckpt", MICRO, source_of(micro_model(0)), fp8=False)
     finally:
         tmp_path.chmod(0o700)
 
@@ -210,7 +202,7 @@ def test_load_names_a_bad_argument(saved, kwargs, named):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_block_scale_is_named(tmp_path, bad):
     folder = tmp_path / "ckpt"
-    save_checkpoint(tiny_model(0), folder, fp8=True)
+    save_checkpoint(micro_model(0), folder, fp8=True)
     shard = folder / "model-1-of-1.safetensors"
     tensors = load_file(shard)
     name = "model.layers.1.self_attn.q_a_proj.weight_scale_inv"
@@ -222,12 +214,12 @@ def test_a_non_finite_block_scale_is_named(tmp_path, bad):
 
 def test_streamed_experts_refuse_a_file_changed_after_loading(tmp_path):
     folder = tmp_path / "ckpt"
-    save_checkpoint(tiny_model(0), folder, fp8=False)
+    save_checkpoint(micro_model(0), folder, fp8=False)
     model = k2lab.load(folder, dtype=torch.float32, expert_budget_bytes=0)
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         model(ids)
-        save_checkpoint(tiny_model(1), folder, fp8=False)  # same names and sizes, other weights
+        save_checkpoint(micro_model(1), folder, fp8=False)  # same names and sizes, other weights
         with pytest.raises(CheckpointError, match="changed on disk since the model was loaded"):
             model(ids)
 
@@ -239,6 +231,6 @@ def test_load_names_a_source_that_is_not_a_path():
 
 @pytest.mark.parametrize("device", ["tpu", 2.5])
 def test_load_names_a_device_that_is_not_one(tmp_path, device):
-    folder = save_checkpoint(tiny_model(0), tmp_path / "ckpt", fp8=False)
+    folder = save_checkpoint(micro_model(0), tmp_path / "ckpt", fp8=False)
     with pytest.raises(ValueError, match=r"device_map\[''\] = .* is not a device"):
         k2lab.load(folder, device_map={"": device})
