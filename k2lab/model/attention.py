@@ -26,6 +26,7 @@ from torch import nn
 
 from ..config import K2Config
 from .hooks import HookPoint
+from .linear import Linear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -140,16 +141,16 @@ class MultiHeadLatentAttention(nn.Module):
         self.softmax_scale = cfg.softmax_scale
         qk_dim, H = cfg.qk_head_dim, cfg.num_attention_heads
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(cfg.hidden_size, H * qk_dim, bias=False)
+            self.q_proj = Linear(cfg.hidden_size, H * qk_dim)
         else:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * qk_dim, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk_dim)
             self.hook_q_latent = HookPoint()  # [B, T, q_lora_rank] c_Q after its norm (only with a q latent)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(H * cfg.v_head_dim, cfg.hidden_size, bias=False)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = Linear(H * cfg.v_head_dim, cfg.hidden_size)
 
         self.hook_kv_latent = HookPoint()  # [B, T, C] c_KV after its norm: what the cache stores
         self.hook_q_nope = HookPoint()  # [B, T, H, N]

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..config import K2Config
 from .hooks import HookPoint
+from .linear import Linear, linear
 
 # The router's correction bias is held (and stored, and read) in float32 whatever dtype the rest of the model uses:
 # its steps are ~1e-3, and bfloat16 rounding would change which experts are chosen.
@@ -23,9 +24,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden)
+        self.up_proj = Linear(dim, hidden)
+        self.down_proj = Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -103,7 +104,7 @@ class Router(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.hook_logits(F.linear(x.float(), self.weight.float()))  # [B, T, E]
+        logits = self.hook_logits(linear(x.float(), self.weight.float()))  # [B, T, E]
         if self.scoring_func == "sigmoid":
             scores = self.hook_scores(logits.sigmoid())
             choice = self.hook_choice_scores(scores + self.e_score_correction_bias)
@@ -141,7 +142,7 @@ class RoutedExperts(nn.Module):
     def expert(self, expert: int, h: torch.Tensor) -> torch.Tensor:
         """One expert's SwiGLU on the tokens routed to it: h [n, D] -> [n, D]."""
         gate, up, down = self.expert_weights(expert)
-        return F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+        return linear(F.silu(linear(h, gate)) * linear(h, up), down)
 
     # Which experts run, and on how many tokens, is data: torch.compile would specialise on it and recompile
     # every step. Compiled models (the training run) call this eagerly and fuse the dense code around it.

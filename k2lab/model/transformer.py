@@ -28,6 +28,7 @@ from torch import nn
 from ..config import K2Config
 from .attention import AttnImpl, LatentCache, MultiHeadLatentAttention, causal_mask
 from .hooks import HookedModule, HookPoint
+from .linear import Linear
 from .loss import head_cross_entropy
 from .moe import MoE, SwiGLU
 from .norm import RMSNorm
@@ -82,7 +83,7 @@ class K2Model(HookedModule):
             self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.norm.hook_out = HookPoint()  # [B, T, D] final normalised residual
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
             self.hook_logits = HookPoint()  # [B, T, V] float32
         if self.lm_head.weight.device.type != "meta":
             self.init_weights()

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import k2lab
 from k2lab import K2Config
+from k2lab.model.linear import Linear
 from k2lab.weights import hub
 from k2lab.weights.hf_config import read_config
 from k2lab.weights.load import slice_layers
@@ -194,7 +195,7 @@ def test_int4_resident_and_streamed_equal_the_dequantized_model(folder):
     experts = resident.layers[1].mlp.experts
     assert isinstance(experts, QuantizedRoutedExperts) and experts.gate_proj_packed.dtype == torch.int32
     assert experts.down_proj_scale.dtype == torch.bfloat16
-    assert type(resident.layers[1].self_attn.kv_b_proj) is torch.nn.Linear  # attention stays bfloat16 in the files
+    assert type(resident.layers[1].self_attn.kv_b_proj) is Linear  # attention stays bfloat16 in the files
     D, I = TINY.hidden_size, TINY.moe_intermediate_size
     expert_bytes = 3 * (I * D // 2 + I * D // 32 * 2 + 8)  # packed nibbles, bfloat16 scales, the shape
     streamed = k2lab.load(folder, dtype=torch.float32, expert_budget_bytes=2 * expert_bytes, quantized_resident=True)

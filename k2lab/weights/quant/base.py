@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...config import K2Config
+from ...model.linear import linear
 from ...model.moe import RoutedExperts
 from ..schema import EXPERT_PROJS, TensorSpec
 
@@ -198,7 +198,7 @@ class QuantizedLinear(QuantizedResident):
         return self.format.dequantize(tuple(getattr(self, "weight" + s) for s in self.suffixes), self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}"

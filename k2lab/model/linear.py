@@ -1,0 +1,48 @@
+"""The model's matrix products with a weight, x @ W^T, written so that a decode step uses every CPU thread.
+
+On the CPU, torch hands a product with few rows (a decode step multiplies one row per sequence by each matrix) to a
+BLAS kernel that runs it on one thread however many torch has: a second thread gains nothing, although the product
+only streams the weight from memory and memory serves two threads faster than one. A batched product is split a
+batch entry per thread. So ``linear`` cuts the weight into one block of rows per thread, a free view, and runs the
+few-row product as one batched product over the blocks (docs/speed.md, "Threads": ``python -m
+benchmarks.split_gemv``). Everything else (many rows, one thread, GPUs, small weights) goes to F.linear unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Products with at most this many rows are split: BLAS threads products of more rows itself.
+SPLIT_MAX_ROWS = 16
+# Each thread's block holds at least this many weights: below that, the batched call costs more than it saves.
+SPLIT_MIN_BLOCK = 1 << 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T -> [..., out], as F.linear without a bias; few-row products on the CPU run
+    one block of ``out / threads`` weight rows per thread. Equal to F.linear to float32 rounding."""
+    threads = torch.get_num_threads()
+    out_features = weight.shape[0]
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (threads == 1 or rows > SPLIT_MAX_ROWS or x.device.type != "cpu" or out_features % threads
+            or weight.numel() < SPLIT_MIN_BLOCK * threads or not weight.is_contiguous()
+            or torch.compiler.is_compiling()):
+        return F.linear(x, weight)
+    in_features, block = weight.shape[1], out_features // threads
+    blocks_t = weight.as_strided((threads, in_features, block), (block * in_features, 1, in_features))  # [n, in, out/n]
+    out = torch.bmm(x.reshape(rows, in_features).expand(threads, rows, in_features), blocks_t)  # [n, rows, out/n]
+    if rows > 1:
+        out = out.transpose(0, 1)  # [rows, n, out/n]
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+class Linear(nn.Linear):
+    """A bias-free nn.Linear (the checkpoint's layout: ``weight`` [out, in]) whose product is ``linear``."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        return linear(x, self.weight)

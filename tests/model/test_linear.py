@@ -1,0 +1,89 @@
+"""k2lab.model.linear: few-row products split one block of weight rows per thread. CI runs at one thread, where
+the split never happens, so every test here sets two threads itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_oracle import hf_model, relative_error, save_and_load
+from tiny import TINY
+
+from k2lab.model.linear import SPLIT_MAX_ROWS, SPLIT_MIN_BLOCK, linear
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _ran_batched(fn) -> bool:
+    """Whether fn() ran a batched matmul (the split path) rather than F.linear's mm."""
+    with torch.profiler.profile() as prof:
+        fn()
+    names = {event.key for event in prof.key_averages()}
+    return "aten::bmm" in names
+
+
+def _random(*shape: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("x_shape", [(1, 256), (1, 1, 256), (3, 256), (2, 8, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stacked", [False, True], ids=["own storage", "one of a stack"])
+def test_few_rows_split_over_threads_and_equal_f_linear(two_threads, x_shape, dtype, stacked):
+    x = _random(*x_shape, dtype=dtype)
+    w = _random(3, 4096, 256, dtype=dtype, seed=1)[1] if stacked else _random(4096, 256, dtype=dtype, seed=1)
+    assert _ran_batched(lambda: linear(x, w))
+    out = linear(x, w)
+    assert out.shape == (*x_shape[:-1], 4096) and out.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    assert relative_error(out, F.linear(x.double(), w.double())) < tolerance
+
+
+@pytest.mark.parametrize("case", ["many rows", "odd rows of weight", "small weight", "transposed weight",
+                                  "one thread"])
+def test_other_products_go_to_f_linear_unchanged(two_threads, case):
+    x, w = _random(1, 256), _random(4096, 256, seed=1)
+    if case == "many rows":
+        x = _random(SPLIT_MAX_ROWS + 1, 256)
+    elif case == "odd rows of weight":
+        w = _random(4095, 256, seed=1)
+    elif case == "small weight":
+        w = _random(2 * SPLIT_MIN_BLOCK // 256 - 2, 256, seed=1)
+    elif case == "transposed weight":
+        w = _random(256, 4096, seed=1).T
+    else:
+        torch.set_num_threads(1)
+    assert not _ran_batched(lambda: linear(x, w))
+    assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+def test_gradients_equal_f_linear(two_threads):
+    x, w = _random(2, 256).requires_grad_(), _random(4096, 256, seed=1).requires_grad_()
+    linear(x, w).pow(2).sum().backward()
+    split_grads = x.grad, w.grad
+    x.grad = w.grad = None
+    F.linear(x, w).pow(2).sum().backward()
+    assert relative_error(split_grads[0], x.grad) < 1e-5  # sums over 4,096 outputs
+    assert relative_error(split_grads[1], w.grad) < 1e-5
+
+
+def test_decode_at_two_threads_matches_hf(two_threads, tmp_path):
+    """TINY's head (8192 x 256) splits at two threads: decode steps through the cache still give
+    HF's logits (HF's DeepseekV3 run at the same two threads, over the whole sequence at once)."""
+    ref = hf_model(TINY, seed=5)
+    ours = save_and_load(ref, tmp_path)
+    ids = torch.randint(0, TINY.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(ids).logits[:, 8:]  # [1, 4, V]
+        cache = ours.new_cache(1)
+        ours(ids[:, :8], cache=cache)
+        assert _ran_batched(lambda: ours(ids[:, 8:9], cache=cache))
+        cache.crop(8)
+        steps = [ours(ids[:, t : t + 1], cache=cache) for t in range(8, 12)]
+    assert relative_error(torch.cat(steps, dim=1), expected) < 1e-5
