@@ -1,7 +1,8 @@
 """The eager floor of a decode step: one K2 decode step written out by hand with as few PyTorch ops as eager
 execution allows, over a model's own weights and latent cache.
 
-It has no modules, probes or input checks and handles only what the benchmark needs (batch 1, one new token,
+Its products with a weight are the model's ``linear`` (few-row products split over threads). It has no
+modules, probes or input checks and handles only what the benchmark needs (batch 1, one new token,
 float32, a q latent, interleaved rotary pairs, one expert group). Whatever a decode step costs on top of its GEMVs
 here is the price of eager PyTorch itself on this CPU (one dispatch per small op); what the model's step costs on
 top of this floor is the price of its generality (probes, modules, shapes, checks). ``benchmarks.vs_hf`` times it
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from k2lab.model.attention import LatentCache
+from k2lab.model.linear import linear
 from k2lab.model.moe import MoE
 from k2lab.model.transformer import K2Model
 
@@ -51,9 +53,9 @@ def minimal_decode_step(model: K2Model, cache: LatentCache, token: int) -> torch
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         h = F.rms_norm(x, x.shape[-1:], layer.input_layernorm.weight, eps)
-        q_latent = F.rms_norm(F.linear(h, attn.q_a_proj.weight), (cfg.q_lora_rank,), attn.q_a_layernorm.weight, eps)
-        q = F.linear(q_latent, attn.q_b_proj.weight).view(H, N + R)
-        kv = F.linear(h, attn.kv_a_proj_with_mqa.weight)  # [1, C + R]
+        q_latent = F.rms_norm(linear(h, attn.q_a_proj.weight), (cfg.q_lora_rank,), attn.q_a_layernorm.weight, eps)
+        q = linear(q_latent, attn.q_b_proj.weight).view(H, N + R)
+        kv = linear(h, attn.kv_a_proj_with_mqa.weight)  # [1, C + R]
         entry = torch.cat((F.rms_norm(kv[:, :C], (C,), attn.kv_a_layernorm.weight, eps), _rotate(kv[:, C:], turn)), -1)
         entries = cache.append(i, entry[None])[0]  # [S, C + R]
         w_kv_b = attn.kv_b_proj.weight.view(H, N + V, C)
@@ -61,22 +63,22 @@ def minimal_decode_step(model: K2Model, cache: LatentCache, token: int) -> torch
         query = torch.cat((q_absorbed, _rotate(q[:, N:], turn)), -1)  # [H, C + R]
         pattern = torch.softmax((entries @ query.T).T * attn.softmax_scale, -1)  # [H, S], cache rows first
         z = torch.bmm((pattern @ entries[:, :C])[:, None], w_kv_b[:, N:].transpose(1, 2))  # [H, 1, V]
-        x = x + F.linear(z.view(1, H * V), attn.o_proj.weight)
+        x = x + linear(z.view(1, H * V), attn.o_proj.weight)
         h = F.rms_norm(x, x.shape[-1:], layer.post_attention_layernorm.weight, eps)
         mlp = layer.mlp
         if isinstance(mlp, MoE):
-            scores = F.linear(h, mlp.gate.weight).sigmoid()[0]  # [E]
+            scores = linear(h, mlp.gate.weight).sigmoid()[0]  # [E]
             chosen = (scores + mlp.gate.e_score_correction_bias).topk(cfg.num_experts_per_tok).indices
             weights = scores[chosen]
             weights = (weights * (cfg.routed_scaling_factor / weights.sum())).tolist()
             shared = mlp.shared_experts
-            out = F.linear(F.silu(F.linear(h, shared.gate_proj.weight)) * F.linear(h, shared.up_proj.weight),
+            out = linear(F.silu(linear(h, shared.gate_proj.weight)) * linear(h, shared.up_proj.weight),
                            shared.down_proj.weight)
             for expert, weight in zip(chosen.tolist(), weights, strict=True):
                 gate, up, down = mlp.experts.expert_weights(expert)
-                out = out + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down) * weight
+                out = out + linear(F.silu(linear(h, gate)) * linear(h, up), down) * weight
         else:
-            out = F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
+            out = linear(F.silu(linear(h, mlp.gate_proj.weight)) * linear(h, mlp.up_proj.weight),
                            mlp.down_proj.weight)
         x = x + out
-    return F.linear(F.rms_norm(x, x.shape[-1:], model.norm.weight, eps), model.lm_head.weight)
+    return linear(F.rms_norm(x, x.shape[-1:], model.norm.weight, eps), model.lm_head.weight)

@@ -54,3 +54,27 @@ def test_a_replay_reissues_the_recorded_kernels_on_the_same_inputs_and_nothing_e
 def test_a_replay_of_a_call_without_kernels_is_refused():
     with pytest.raises(ValueError, match="no matrix product"):
         heavy_kernels(lambda: torch.ones(3) * 2)
+
+
+@torch.no_grad()
+def test_split_gemv_times_the_step_with_and_without_splitting(model, monkeypatch):
+    """benchmarks.split_gemv's two contenders differ in exactly the one thing: with its threshold out of reach the
+    model's few-row products all run as F.linear's mm; as shipped, at two threads, four of them are split instead:
+    TINY's head (8192 x 256) and the dense block's three projections (768 x 256 or 256 x 768, two blocks of 98,304
+    weights each, above SPLIT_MIN_BLOCK); its experts' matrices (96 x 256) and the attention's stay whole."""
+    from benchmarks.split_gemv import decode_step
+    from k2lab.model import linear as linear_module
+
+    monkeypatch.setattr(linear_module, "SPLIT_MIN_BLOCK", linear_module.SPLIT_MIN_BLOCK)  # restored afterwards
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        counts = {}
+        for which, block in (("F.linear", 1 << 62), ("linear", linear_module.SPLIT_MIN_BLOCK)):
+            step = decode_step(model, 12, block)
+            with torch.profiler.profile() as prof:
+                step()
+            counts[which] = sum(e.count for e in prof.key_averages() if e.key == "aten::mm")
+    finally:
+        torch.set_num_threads(before)
+    assert counts["F.linear"] == counts["linear"] + 4
