@@ -3,12 +3,14 @@
 On the CPU, torch hands a product with few rows (a decode step multiplies one row per sequence by each matrix) to a
 BLAS kernel that runs it on one thread however many torch has: a second thread gains nothing, although the product
 only streams the weight from memory and memory serves two threads faster than one. A batched product is split a
-batch entry per thread. So ``linear`` cuts the weight into one block of rows per thread, a free view, and runs the
-few-row product as one batched product over the blocks (docs/speed.md, "Threads": ``python -m
+batch entry per thread. So ``linear`` cuts the weight into equal blocks of rows, up to one per thread, as a free
+view, and runs the few-row product as one batched product over the blocks (docs/speed.md, "Threads": ``python -m
 benchmarks.split_gemv``). Everything else (many rows, one thread, GPUs, small weights) goes to F.linear unchanged.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -16,23 +18,32 @@ from torch import nn
 
 # Products with at most this many rows are split: BLAS threads products of more rows itself.
 SPLIT_MAX_ROWS = 16
-# Each thread's block holds at least this many weights: below that, the batched call costs more than it saves.
+# Each block holds at least this many weights: below that, the batched call costs more than it saves.
 SPLIT_MIN_BLOCK = 1 << 16
+
+
+@functools.lru_cache(maxsize=256)
+def split_count(out_features: int, threads: int) -> int:
+    """Into how many equal blocks of rows to cut a weight of ``out_features`` rows for ``threads`` threads: the
+    most, up to ``threads``, that divide it evenly (a bmm needs equal blocks); 1 means not at all."""
+    return next(n for n in range(threads, 0, -1) if out_features % n == 0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T -> [..., out], as F.linear without a bias; few-row products on the CPU run
-    one block of ``out / threads`` weight rows per thread. Equal to F.linear to float32 rounding."""
+    one block of weight rows per thread (``split_count`` blocks). Equal to F.linear to float32 rounding."""
     threads = torch.get_num_threads()
-    out_features = weight.shape[0]
     rows = x.numel() // max(x.shape[-1], 1)
-    if (threads == 1 or rows > SPLIT_MAX_ROWS or x.device.type != "cpu" or out_features % threads
-            or weight.numel() < SPLIT_MIN_BLOCK * threads or not weight.is_contiguous()
+    if (threads == 1 or rows > SPLIT_MAX_ROWS or x.device.type != "cpu" or not weight.is_contiguous()
             or torch.compiler.is_compiling()):
         return F.linear(x, weight)
-    in_features, block = weight.shape[1], out_features // threads
-    blocks_t = weight.as_strided((threads, in_features, block), (block * in_features, 1, in_features))  # [n, in, out/n]
-    out = torch.bmm(x.reshape(rows, in_features).expand(threads, rows, in_features), blocks_t)  # [n, rows, out/n]
+    out_features, in_features = weight.shape
+    n = split_count(out_features, threads)
+    if n == 1 or weight.numel() < SPLIT_MIN_BLOCK * n:
+        return F.linear(x, weight)
+    block = out_features // n
+    blocks_t = weight.as_strided((n, in_features, block), (block * in_features, 1, in_features))  # [n, in, out/n]
+    out = torch.bmm(x.reshape(rows, in_features).expand(n, rows, in_features), blocks_t)  # [n, rows, out/n]
     if rows > 1:
         out = out.transpose(0, 1)  # [rows, n, out/n]
     return out.reshape(*x.shape[:-1], out_features)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hf_oracle import hf_model, relative_error, save_and_load
 from tiny import TINY
 
-from k2lab.model.linear import SPLIT_MAX_ROWS, SPLIT_MIN_BLOCK, linear
+from k2lab.model.linear import SPLIT_MAX_ROWS, SPLIT_MIN_BLOCK, linear, split_count
 
 
 @pytest.fixture
@@ -61,6 +61,23 @@ def test_other_products_go_to_f_linear_unchanged(two_threads, case):
         torch.set_num_threads(1)
     assert not _ran_batched(lambda: linear(x, w))
     assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize(("out_features", "threads", "blocks"),
+                         [(4096, 2, 2), (4096, 3, 2), (4096, 12, 8), (2048 * 3, 12, 12), (4095, 2, 1), (7, 6, 1)])
+def test_split_count_is_the_most_equal_blocks_up_to_the_thread_count(out_features, threads, blocks):
+    assert split_count(out_features, threads) == blocks
+
+
+def test_a_thread_count_that_does_not_divide_the_rows_still_splits():
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        x, w = _random(1, 256), _random(4096, 256, seed=1)  # 4096 rows: 2 blocks for 3 threads
+        assert _ran_batched(lambda: linear(x, w))
+        assert relative_error(linear(x, w), F.linear(x.double(), w.double())) < 1e-6
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_gradients_equal_f_linear(two_threads):
