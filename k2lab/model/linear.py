@@ -35,8 +35,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     threads = torch.get_num_threads()
     rows = x.numel() // max(x.shape[-1], 1)
     if (threads == 1 or rows > SPLIT_MAX_ROWS or x.device.type != "cpu" or not weight.is_contiguous()
-            or torch.compiler.is_compiling()):
-        return F.linear(x, weight)
+            or x.shape[-1] != weight.shape[-1] or torch.compiler.is_compiling()):
+        return F.linear(x, weight)  # and F.linear names a width mismatch
     out_features, in_features = weight.shape
     n = split_count(out_features, threads)
     if n == 1 or weight.numel() < SPLIT_MIN_BLOCK * n:

@@ -80,6 +80,11 @@ def test_a_thread_count_that_does_not_divide_the_rows_still_splits():
         torch.set_num_threads(before)
 
 
+def test_a_width_mismatch_is_named_as_f_linear_names_it(two_threads):
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        linear(_random(1, 255), _random(4096, 256, seed=1))
+
+
 def test_gradients_equal_f_linear(two_threads):
     x, w = _random(2, 256).requires_grad_(), _random(4096, 256, seed=1).requires_grad_()
     linear(x, w).pow(2).sum().backward()
