@@ -85,14 +85,20 @@ def test_a_width_mismatch_is_named_as_f_linear_names_it(two_threads):
         linear(_random(1, 255), _random(4096, 256, seed=1))
 
 
-def test_gradients_equal_f_linear(two_threads):
-    x, w = _random(2, 256).requires_grad_(), _random(4096, 256, seed=1).requires_grad_()
-    linear(x, w).pow(2).sum().backward()
-    split_grads = x.grad, w.grad
-    x.grad = w.grad = None
-    F.linear(x, w).pow(2).sum().backward()
-    assert relative_error(split_grads[0], x.grad) < 1e-5  # sums over 4,096 outputs
-    assert relative_error(split_grads[1], w.grad) < 1e-5
+@pytest.mark.parametrize("stacked", [False, True], ids=["own storage", "one of a stack"])
+def test_gradients_equal_f_linear(two_threads, stacked):
+    """Also through a view of a stacked parameter (a routed expert's matrix), whose gradient lands in the stack."""
+    x = _random(2, 256).requires_grad_()
+    param = _random(3, 4096, 256, seed=1) if stacked else _random(4096, 256, seed=1)
+    param.requires_grad_()
+    grads = []
+    for product in (linear, F.linear):
+        x.grad = param.grad = None
+        product(x, param[1] if stacked else param).pow(2).sum().backward()
+        grads.append((x.grad, param.grad))
+    (x_split, w_split), (x_ref, w_ref) = grads
+    assert relative_error(x_split, x_ref) < 1e-5  # sums over 4,096 outputs
+    assert relative_error(w_split, w_ref) < 1e-5
 
 
 def test_decode_at_two_threads_matches_hf(two_threads, tmp_path):
