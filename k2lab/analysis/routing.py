@@ -130,12 +130,14 @@ class RoutingTrace:
 def trace(model: K2Model, input_ids: torch.Tensor, **forward_kwargs) -> RoutingTrace:
     """Run ``model(input_ids)`` once, recording only the router probes, and return the routing of every MoE layer.
     Active interventions (``model.hooks``, ``k2lab.interventions``) are seen: the trace shows the routing used.
-    With ``attention_mask=`` (a padded batch) the trace keeps it, and its metrics skip the pads."""
+    With ``attention_mask=`` (a padded batch), or a list of texts of different lengths (padded by the model's
+    tokenizer), the trace keeps the mask, and its metrics skip the pads."""
     moe_layers(model)  # fail early, with a clear message, on a dense-only model
     wanted = lambda name: ".mlp.gate." in name and name.endswith(_GATE_PROBES)
-    _, cache = model.run_with_cache(input_ids, names=wanted, **forward_kwargs)
+    # Text is tokenized here, as the model would, so that the trace holds the pad mask the tokenizer makes
+    ids, mask = model._ids_and_mask(input_ids, forward_kwargs.pop("attention_mask", None))
+    _, cache = model.run_with_cache(ids, names=wanted, attention_mask=mask, **forward_kwargs)
     tr = RoutingTrace.from_cache(cache)
-    mask = forward_kwargs.get("attention_mask")
     if mask is not None:
         tr.token_mask = torch.as_tensor(mask).reshape(tr.indices.shape[1:3]).bool().to(tr.indices.device)
     return tr

@@ -63,3 +63,20 @@ def test_trace_sees_interventions_and_needs_the_gate_probes():
         RoutingTrace.from_cache(partial)
     with pytest.raises(ValueError, match="no MoE layer"):
         trace(random_model(TINY.replace(first_k_dense_replace=3)), _ids())
+
+
+def test_a_trace_of_texts_keeps_the_pad_mask_the_tokenizer_made():
+    """A list of texts of different lengths is left-padded by the model's tokenizer; the trace must hold that mask,
+    as it does for the same ids given with their attention_mask, so that its metrics count real tokens only."""
+    import k2lab
+    from k2lab.analysis.routing import expert_counts
+
+    model, tok = k2lab.load_nano()
+    texts = ["import os\n", "def main(argv):\n    return", "x = 1"]
+    ids, mask = tok.encode_padded(texts)
+    from_text, from_ids = trace(model, texts), trace(model, ids, attention_mask=mask)
+    assert from_text.token_mask is not None and not from_text.token_mask.all()
+    assert torch.equal(from_text.token_mask, mask.bool())
+    assert torch.equal(from_text.indices, from_ids.indices)
+    k = model.config.num_experts_per_tok
+    assert torch.equal(expert_counts(from_text).sum(-1), torch.full((len(from_text.layers),), int(mask.sum()) * k))
