@@ -1,4 +1,4 @@
-"""Few-row products with a weight: F.linear against k2lab's ``linear`` (one block of weight rows per thread), at
+"""Few-row products with a weight: F.linear against k2lab's ``linear`` (equal blocks of weight rows, one per thread), at
 one thread and all cores.
 
     python -m benchmarks.split_gemv [--rows 1 4 16] [--rounds 15] [--step-rounds 41]
