@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from ..model.moe import allowed_experts, group_best, select_experts  # noqa: F401 - the router's own rule, re-exported
+from ..model.transformer import K2Model
 
 if TYPE_CHECKING:
-    from ..model.transformer import K2Model
     from .cache import ActivationCache
 
 _GATE_PROBES = ("hook_scores", "hook_choice_scores", "hook_topk_idx", "hook_topk_weights")
@@ -134,9 +134,12 @@ def trace(model: K2Model, input_ids: torch.Tensor, **forward_kwargs) -> RoutingT
     tokenizer), the trace keeps the mask, and its metrics skip the pads."""
     moe_layers(model)  # fail early, with a clear message, on a dense-only model
     wanted = lambda name: ".mlp.gate." in name and name.endswith(_GATE_PROBES)
-    # Text is tokenized here, as the model would, so that the trace holds the pad mask the tokenizer makes
-    ids, mask = model._ids_and_mask(input_ids, forward_kwargs.pop("attention_mask", None))
-    _, cache = model.run_with_cache(ids, names=wanted, attention_mask=mask, **forward_kwargs)
+    mask = forward_kwargs.pop("attention_mask", None)
+    if isinstance(model, K2Model):  # text is tokenized here, as the model would, to keep the pad mask it makes
+        input_ids, mask = model._ids_and_mask(input_ids, mask)
+    if mask is not None:
+        forward_kwargs["attention_mask"] = mask
+    _, cache = model.run_with_cache(input_ids, names=wanted, **forward_kwargs)
     tr = RoutingTrace.from_cache(cache)
     if mask is not None:
         tr.token_mask = torch.as_tensor(mask).reshape(tr.indices.shape[1:3]).bool().to(tr.indices.device)
