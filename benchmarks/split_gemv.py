@@ -26,24 +26,8 @@ import torch.nn.functional as F
 from k2lab.model import linear as linear_module
 from k2lab.model.linear import linear
 
+from .timing import weight_reads
 from .vs_hf import BENCH, alternate_threads, build_pair, decode_matrices
-
-COLD_BYTES = 64 << 20  # more than this CPU's last-level cache (32 MB)
-CALL_BYTES = 16 << 20  # weights one timed call reads at least
-
-
-def cycled(product: Callable, shapes: list[tuple[int, int]], rows: int) -> tuple[Callable[[], object], int]:
-    """A run that makes ``passes`` passes, each one product with every one of ``shapes``' matrices in turn, from
-    copies that fill COLD_BYTES used in rotation; and ``passes``. A run reads at least CALL_BYTES, so that one
-    disturbed product (the first after a thread-count switch or a long neighbour) does not make a sample."""
-    gen = torch.Generator().manual_seed(0)
-    sizes = [r * c for r, c in shapes]
-    copies = max(1, COLD_BYTES // (4 * sum(sizes)))
-    matrices = iter(torch.randn(copies * sum(sizes), generator=gen).split(sizes * copies))
-    rotation = itertools.cycle([[next(matrices).view(shape) for shape in shapes] for _ in range(copies)])
-    inputs = {cols: torch.randn(rows, cols, generator=gen) for _, cols in shapes}
-    passes = max(1, -(-CALL_BYTES // (4 * sum(sizes))))
-    return lambda: [product(inputs[w.shape[1]], w) for _ in range(passes) for w in next(rotation)], passes
 
 
 def check_equal(shapes: list[tuple[int, int]], rows: int, threads: list[int]) -> None:
@@ -105,7 +89,7 @@ def main() -> None:
     for rows in args.rows:
         check_equal(shapes, rows, threads)
         cases = {f"{r} x {c}": [(r, c)] for r, c in shapes} | {f"a whole step's {len(step)} matrices": step}
-        runs = {f"{name}|{which}": cycled(product, matrices, rows) for name, matrices in cases.items()
+        runs = {f"{name}|{which}": weight_reads(product, matrices, rows) for name, matrices in cases.items()
                 for which, product in (("F.linear", F.linear), ("linear", linear))}
         times = alternate_threads({key: run for key, (run, _) in runs.items()}, threads, args.rounds)
         times = {(key, n): t / runs[key][1] for (key, n), t in times.items()}  # per pass over the case's matrices

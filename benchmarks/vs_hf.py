@@ -46,7 +46,7 @@ from k2lab.weights.schema import checkpoint_tensors
 
 from .eager_floor import check_supported, minimal_decode_step
 from .replay import heavy_kernels
-from .timing import matmul_rate
+from .timing import matmul_rate, weight_reads
 
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
@@ -150,15 +150,6 @@ def copy_seconds(num_bytes: int = 1 << 28) -> Callable[[], object]:
     return lambda: dst.copy_(src)
 
 
-def gemv_calls(shapes: list[tuple[int, int]], product: Callable = F.linear) -> Callable[[], object]:
-    """One vector times fresh matrices of these shapes, one ``product`` call each: the bare GEMVs of a decode
-    step."""
-    gen = torch.Generator().manual_seed(0)
-    matrices = [torch.randn(shape, generator=gen) for shape in shapes]
-    vectors = {cols: torch.randn(1, cols, generator=gen) for _, cols in shapes}
-    return lambda: [product(vectors[w.shape[1]], w) for w in matrices]
-
-
 def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[str, Callable[[], object]]:
     """One decode step at ``context`` cached tokens through each side's cache, cropped back after every step so
     each timed step sees the same context: HF, k2lab's default call (auto picks absorbed), k2lab naive, the same
@@ -190,8 +181,8 @@ def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[st
 
     matrices = decode_matrices(ours.config, context)
     return {"hf": hf_step, "k2lab": lambda: our_step("auto"), "naive": lambda: our_step("naive"),
-            "floor": lambda: minimal_decode_step(ours, caches["auto"], token), "gemv": gemv_calls(matrices),
-            "gemv split": gemv_calls(matrices, linear)}
+            "floor": lambda: minimal_decode_step(ours, caches["auto"], token),
+            "gemv": weight_reads(F.linear, matrices)[0], "gemv split": weight_reads(linear, matrices)[0]}
 
 
 def table(rows: list[tuple[str, str, list[str]]], threads: list[int]) -> str:
