@@ -8,21 +8,31 @@ from a real router over random hidden states, so expert loads are uneven as in a
 - un-permute: expert outputs back to slot order: ``index_copy_`` against ``index_select`` with the inverse
   permutation (its argsort included);
 - combine: the weighted sum over the k slots: multiply and sum against one batched [1, k] @ [k, D] matmul;
-- a whole routed-experts call, k2lab's (one gather, one cat, one un-permute) against gathering and scattering
-  group by group (the inference path it replaced).
+- a whole routed-experts call with its experts one at a time (one gather, one cat, one un-permute) against
+  gathering and scattering group by group (the inference path it replaced);
+- a whole routed-experts call, k2lab's (experts in pairs of similar load, one batched product per pair over a
+  strided view of the stacks) against the same dispatch with its experts one at a time.
 Each pair's results are checked equal before timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 
 import torch
 
-from k2lab.model.moe import MoE
+from k2lab.model.moe import MoE, RoutedExperts
 
 from .vs_hf import BENCH, alternate_threads
+
+
+def one_by_one(experts: RoutedExperts) -> RoutedExperts:
+    """The same experts (shared weights) dispatched one at a time: every group ``groups`` makes is one expert."""
+    single = copy.copy(experts)
+    single.groups = lambda counts: [(e,) for e, count in enumerate(counts) if count]
+    return single
 
 
 def per_group(experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -58,6 +68,7 @@ def main() -> None:
     order = idx.flatten().argsort(stable=True)
     rows = torch.randn(args.tokens * k, cfg.hidden_size)
     slots = torch.randn(args.tokens, k, cfg.hidden_size)
+    single = one_by_one(moe.experts)
 
     pairs = {
         "gather": (lambda: x[order // k], lambda: x.index_select(0, order // k)),
@@ -65,7 +76,8 @@ def main() -> None:
                        lambda: rows.index_select(0, order.argsort())),
         "combine": (lambda: (slots * weights[..., None]).sum(dim=1),
                     lambda: torch.matmul(weights.unsqueeze(-2), slots).squeeze(-2)),
-        "routed experts": (lambda: per_group(moe.experts, x, idx), lambda: moe.experts(x, idx)),
+        "routed experts": (lambda: per_group(moe.experts, x, idx), lambda: single(x, idx)),
+        "expert pairs": (lambda: single(x, idx), lambda: moe.experts(x, idx)),
     }
     for name, (old, new) in pairs.items():
         torch.testing.assert_close(old(), new(), rtol=1e-5, atol=1e-6, msg=f"{name}: the two ways differ")

@@ -61,7 +61,8 @@ def test_split_gemv_times_the_step_with_and_without_splitting(model, monkeypatch
     """benchmarks.split_gemv's two contenders differ in exactly the one thing: with its threshold out of reach the
     model's few-row products all run as F.linear's mm; as shipped, at two threads, four of them are split instead:
     TINY's head (8192 x 256) and the dense block's three projections (768 x 256 or 256 x 768, two blocks of 98,304
-    weights each, above SPLIT_MIN_BLOCK); its experts' matrices (96 x 256) and the attention's stay whole."""
+    weights each, above SPLIT_MIN_BLOCK); the attention's matrices stay whole, and the experts run in pairs as batched
+    products either way."""
     from benchmarks.split_gemv import decode_step
     from k2lab.model import linear as linear_module
 
@@ -78,3 +79,24 @@ def test_split_gemv_times_the_step_with_and_without_splitting(model, monkeypatch
     finally:
         torch.set_num_threads(before)
     assert counts["F.linear"] == counts["linear"] + 4
+
+
+@torch.no_grad()
+def test_moe_dispatch_times_pairs_against_the_same_experts_one_by_one(model):
+    """benchmarks.moe_dispatch's "expert pairs" contenders differ in exactly the pairing: the same weights, the same
+    results, one batched product per pair against one product per expert."""
+    from benchmarks.moe_dispatch import one_by_one
+
+    experts = model.layers[1].mlp.experts
+    single = one_by_one(experts)
+    x = torch.randn(40, TINY.hidden_size, generator=torch.Generator().manual_seed(0))
+    idx = model.layers[1].mlp.gate(x[None])[0][0]  # [40, k] the model's own routing
+    runs = {}
+    for name, contender in (("pairs", experts), ("one by one", single)):
+        with torch.profiler.profile() as prof:
+            runs[name] = contender(x, idx)
+        runs[name + " bmm"] = sum(e.count for e in prof.key_averages() if e.key == "aten::bmm")
+    chosen = idx.unique().numel()
+    assert runs["pairs bmm"] == 3 * (chosen // 2) and runs["one by one bmm"] == 0
+    torch.testing.assert_close(runs["pairs"], runs["one by one"], rtol=1e-5, atol=1e-6)
+    assert single.gate_proj is experts.gate_proj

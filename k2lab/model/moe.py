@@ -122,9 +122,11 @@ class Router(nn.Module):
 class RoutedExperts(nn.Module):
     """E SwiGLU experts stored stacked: gate_proj/up_proj [E, I, D], down_proj [E, D, I].
 
-    Dispatch sorts the k*N (token, slot) pairs by expert and runs one matmul per expert that was chosen;
-    unchosen experts cost nothing. The output keeps the slot layout [N, k, D] (expert output before
-    weighting), which is what ``hook_expert_out`` shows.
+    Dispatch sorts the k*N (token, slot) pairs by expert and runs only the experts that were chosen, two at a time:
+    a pair of experts with similar loads runs as one batched product over a strided view of the stacks (no copy).
+    That halves the product calls, and a batched product runs a batch entry per thread, where one expert's product of
+    a few dozen rows splits poorly over threads (docs/speed.md, "Prefill: the MoE dispatch"). The output keeps the
+    slot layout [N, k, D] (expert output before weighting), which is what ``hook_expert_out`` shows.
     """
 
     def __init__(self, cfg: K2Config):
@@ -144,28 +146,84 @@ class RoutedExperts(nn.Module):
         gate, up, down = self.expert_weights(expert)
         return linear(F.silu(linear(h, gate)) * linear(h, up), down)
 
+    def pair_weights(self, first: int, second: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [2, I, D], up [2, I, D], down [2, D, I]) of experts first < second: one strided slice of each stack,
+        no copy."""
+        return tuple(w[first : second + 1 : second - first]  # type: ignore[return-value]
+                     for w in (self.gate_proj, self.up_proj, self.down_proj))
+
+    def copied_pair_weights(self, first: int, second: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``pair_weights`` stacked from ``expert_weights``: for experts whose matrices are made per expert (streamed,
+        quantized), which take this as their ``pair_weights``. One copy of each matrix."""
+        return tuple(torch.stack(pair)  # type: ignore[return-value]
+                     for pair in zip(self.expert_weights(first), self.expert_weights(second), strict=True))
+
+    def pair(self, first: int, second: int, h: torch.Tensor) -> torch.Tensor:
+        """Two experts' SwiGLU as one batched product, h [2, n, D] -> [2, n, D]: h[0] through expert ``first``,
+        h[1] through ``second`` (> first)."""
+        gate, up, down = self.pair_weights(first, second)
+        return torch.bmm(F.silu(torch.bmm(h, gate.mT)) * torch.bmm(h, up.mT), down.mT)
+
+    def groups(self, counts: list[int]) -> list[tuple[int, ...]]:
+        """The experts with tokens (counts [E]) as they run: pairs of similar load, each in id order, and the odd
+        one out alone."""
+        chosen = [e for e, count in enumerate(counts) if count]
+        by_load = sorted(chosen, key=counts.__getitem__)
+        pairs = [tuple(sorted(pair)) for pair in zip(by_load[0::2], by_load[1::2], strict=False)]
+        return pairs + [(by_load[-1],)] * (len(by_load) % 2)
+
+    def run(self, group: tuple[int, ...], h: torch.Tensor) -> torch.Tensor:
+        """One group of ``groups``: h [g, n, D], row block j for expert group[j] -> [g, n, D]."""
+        return self.pair(*group, h) if len(group) == 2 else self.expert(group[0], h[0])[None]
+
     # Which experts run, and on how many tokens, is data: torch.compile would specialise on it and recompile
     # every step. Compiled models (the training run) call this eagerly and fuse the dense code around it.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [N, D], idx [N, k] -> each slot's expert output [N, k, D]."""
         N, k = idx.shape
+        D = x.shape[-1]
+        flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
         # Which experts run is read back to Python once per layer (one .tolist()), and each expert's matrices
         # are then read in place by its own matmuls. Gathering the k chosen experts' matrices for one batched
         # matmul would copy them first, tripling the bytes a decode step moves for its experts (docs/speed.md).
-        if N == 1:  # one token (decode): its k experts in slot order, with nothing to sort
-            return torch.stack([self.expert(e, x) for e in idx[0].tolist()], dim=1)  # [1, k, D]
-        flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
-        order = flat.argsort(stable=True)  # slots grouped by expert
+        if N == 1:  # one token (decode): every chosen expert reads its row; nothing to sort or gather
+            chosen = flat.tolist()  # k distinct experts, in slot order
+            counts = [0] * self.num_experts
+            for e in chosen:
+                counts[e] = 1
+            out = {}  # expert -> [1, D]
+            for group in self.groups(counts):
+                out.update(zip(group, self.run(group, x.expand(len(group), 1, D)).unbind(), strict=True))
+            return torch.cat([out[e] for e in chosen]).view(1, k, D)
+
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        experts = [e for e, count in enumerate(counts) if count]
-        # One gather, one cat and one un-permuting gather whatever the number of experts, so backward is one pass of
+        groups = self.groups(counts)
+        # The rows a group of g experts reads are one [g, m, D] block, m the group's largest count: expert j's rows
+        # start at j*m, and the rows past its count are padding (token 0's row, whose outputs are never read).
+        sorted_start, block_start = [0] * len(counts), [0] * len(counts)  # [E] where expert e's rows begin:
+        for e in range(1, len(counts)):  # among the slots sorted by expert,
+            sorted_start[e] = sorted_start[e - 1] + counts[e - 1]
+        blocks, rows = [], 0
+        for group in groups:  # and in the blocks
+            m = max(counts[e] for e in group)
+            for j, e in enumerate(group):
+                block_start[e] = rows + j * m
+            blocks.append(len(group) * m)
+            rows += blocks[-1]
+        order = flat.argsort(stable=True)  # [N*k] slots sorted by expert
+        shift = torch.tensor([b - s for b, s in zip(block_start, sorted_start, strict=True)], device=flat.device)
+        row_of_sorted = torch.arange(N * k, device=flat.device) + shift[flat[order]]  # [N*k] each sorted slot's row
+        token_of_row = flat.new_zeros(rows).index_copy_(0, row_of_sorted, order // k)  # [rows] (pads: 0)
+        # One gather, one cat and one gather back whatever the number of experts, so backward is one pass of
         # each (per-group indexing or in-place writes would make autograd allocate a whole [N*k, D] gradient per
         # expert). On the CPU index_select gathers rows about three times faster than x[order // k] and puts them
         # back faster than index_copy_ does (python -m benchmarks.moe_dispatch).
-        grouped = x.index_select(0, order // k).split([counts[e] for e in experts])  # per chosen expert [n, D]
-        by_expert = torch.cat([self.expert(e, h) for e, h in zip(experts, grouped, strict=True)])  # [N*k, D]
-        return by_expert.index_select(0, order.argsort()).view(N, k, -1)  # back to slot order
+        grouped = x.index_select(0, token_of_row).split(blocks)  # per group [g*m, D]
+        out = torch.cat([self.run(group, h.view(len(group), -1, D)).view(-1, D)
+                         for group, h in zip(groups, grouped, strict=True)])  # [rows, D]
+        row_of_slot = torch.empty_like(order).index_copy_(0, order, row_of_sorted)  # [N*k]
+        return out.index_select(0, row_of_slot).view(N, k, D)  # back to slot order
 
 
 class MoE(nn.Module):

@@ -112,6 +112,8 @@ class StreamedExperts(RoutedExperts):
     (gate, up, down) ready to use.
     """
 
+    pair_weights = RoutedExperts.copied_pair_weights  # each expert's matrices are made as it runs: no stack to view
+
     def __init__(self, num_experts: int, layer: int, cache: ExpertCache, format: QuantFormat,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
         nn.Module.__init__(self)  # dispatch (forward) is inherited; the weights live in the files, not here
