@@ -1,13 +1,13 @@
 """The eager floor of a decode step: one K2 decode step written out by hand with as few PyTorch ops as eager
 execution allows, over a model's own weights and latent cache.
 
-Its products with a weight are the model's ``linear`` (few-row products split over threads). It has no
-modules, probes or input checks and handles only what the benchmark needs (batch 1, one new token,
-float32, a q latent, interleaved rotary pairs, one expert group). Whatever a decode step costs on top of its GEMVs
-here is the price of eager PyTorch itself on this CPU (one dispatch per small op); what the model's step costs on
-top of this floor is the price of its generality (probes, modules, shapes, checks). ``benchmarks.vs_hf`` times it
-beside the model; its logits are checked against the model's before anything is timed. It is a measuring stick,
-not a second implementation to use.
+Its products with a weight are the model's ``linear`` (few-row products split over threads), and its experts run in
+pairs as batched products, as the model's do. It has no modules, probes or input checks and handles only what the
+benchmark needs (batch 1, one new token, float32, a q latent, interleaved rotary pairs, one expert group). Whatever
+a decode step costs on top of its GEMVs here is the price of eager PyTorch itself on this CPU (one dispatch per
+small op); what the model's step costs on top of this floor is the price of its generality (probes, modules, shapes,
+checks). ``benchmarks.vs_hf`` times it beside the model; its logits are checked against the model's before anything
+is timed. It is a measuring stick, not a second implementation to use.
 """
 
 from __future__ import annotations
@@ -68,15 +68,21 @@ def minimal_decode_step(model: K2Model, cache: LatentCache, token: int) -> torch
         mlp = layer.mlp
         if isinstance(mlp, MoE):
             scores = linear(h, mlp.gate.weight).sigmoid()[0]  # [E]
-            chosen = (scores + mlp.gate.e_score_correction_bias).topk(cfg.num_experts_per_tok).indices
+            chosen = (scores + mlp.gate.e_score_correction_bias).topk(cfg.num_experts_per_tok).indices.sort().values
             weights = scores[chosen]
-            weights = (weights * (cfg.routed_scaling_factor / weights.sum())).tolist()
+            weights = weights * (cfg.routed_scaling_factor / weights.sum())  # [k]
             shared = mlp.shared_experts
             out = linear(F.silu(linear(h, shared.gate_proj.weight)) * linear(h, shared.up_proj.weight),
                            shared.down_proj.weight)
-            for expert, weight in zip(chosen.tolist(), weights, strict=True):
-                gate, up, down = mlp.experts.expert_weights(expert)
-                out = out + linear(F.silu(linear(h, gate)) * linear(h, up), down) * weight
+            experts, rows = chosen.tolist(), h.expand(2, 1, -1)  # in id order: each pair one strided view
+            outs = []  # [2, 1, D] per pair of experts, [1, 1, D] for an odd one out
+            for first, second in zip(experts[0::2], experts[1::2], strict=False):
+                gate, up, down = mlp.experts.pair_weights(first, second)
+                outs.append(torch.bmm(F.silu(torch.bmm(rows, gate.mT)) * torch.bmm(rows, up.mT), down.mT))
+            if len(experts) % 2:
+                gate, up, down = mlp.experts.expert_weights(experts[-1])
+                outs.append(linear(F.silu(linear(h, gate)) * linear(h, up), down)[None])
+            out = out + weights[None] @ torch.cat(outs).view(len(experts), -1)  # [1, D]
         else:
             out = linear(F.silu(linear(h, mlp.gate_proj.weight)) * linear(h, mlp.up_proj.weight),
                            mlp.down_proj.weight)
