@@ -29,9 +29,9 @@ from .vs_hf import BENCH, alternate_threads
 
 
 def one_by_one(experts: RoutedExperts) -> RoutedExperts:
-    """The same experts (shared weights) dispatched one at a time: every group ``groups`` makes is one expert."""
+    """The same experts (shared weights) dispatched one at a time."""
     single = copy.copy(experts)
-    single.groups = lambda counts: [(e,) for e, count in enumerate(counts) if count]
+    single.pairs_in_place = False
     return single
 
 

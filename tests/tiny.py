@@ -31,6 +31,17 @@ def random_model(cfg: K2Config = TINY, seed: int = 0) -> K2Model:
     return model
 
 
+def experts_one_at_a_time(model: K2Model) -> K2Model:
+    """The model with its routed experts run one at a time, as streamed and quantized experts always run: the same
+    products on the same weights, so their outputs are compared bit for bit (in pairs, the batched products round
+    differently)."""
+    for layer in model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            experts.pairs_in_place = False
+    return model
+
+
 def token_ids(cfg: K2Config = TINY, batch: int = 2, length: int = 17, seed: int = 0) -> torch.Tensor:
     """Seeded random token ids [batch, length] within cfg's vocabulary."""
     return torch.randint(0, cfg.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))

@@ -7,8 +7,8 @@ TransformerLens convention: ``fn(tensor, hook) -> None | replacement``, with ``h
 A HookPoint is an ordinary ``nn.Module`` called through ``nn.Module.__call__``, so PyTorch forward hooks fire on
 it and nnsight sees it: ``NNsight(model).layers[3].mlp.gate.hook_topk_idx.output`` reads or sets that probe. With
 nothing attached, PyTorch's call goes straight to ``forward``, an empty loop and a return: a probe costs about
-1.5 microseconds (0.1 ms for the ~90 probes of a decode step) and keeps no tensor alive. Expensive quantities (attention patterns) are computed only when
-something reads their probe (``HookPoint.active``).
+1.5 microseconds (0.1 ms for the ~90 probes of a decode step) and keeps no tensor alive. Expensive quantities
+(attention patterns) are computed only when something reads their probe (``HookPoint.active``).
 
 Selecting probes, everywhere a selector is taken (``run_with_cache(names=)``, ``hooks(fwd_hooks=[(selector, fn)])``,
 ``interventions.patch``): an exact name, a substring of names (``"hook_resid_post"``), a predicate on the name, or

@@ -125,9 +125,14 @@ class RoutedExperts(nn.Module):
     Dispatch sorts the k*N (token, slot) pairs by expert and runs only the experts that were chosen, two at a time:
     a pair of experts with similar loads runs as one batched product over a strided view of the stacks (no copy).
     That halves the product calls, and a batched product runs a batch entry per thread, where one expert's product of
-    a few dozen rows splits poorly over threads (docs/speed.md, "Prefill: the MoE dispatch"). The output keeps the
-    slot layout [N, k, D] (expert output before weighting), which is what ``hook_expert_out`` shows.
+    a few dozen rows splits poorly over threads (docs/speed.md, "Experts in pairs"). The output keeps the slot layout
+    [N, k, D] (expert output before weighting), which is what ``hook_expert_out`` shows.
     """
+
+    # Whether two experts' matrices are a strided view of stacks held here, so that experts run in pairs. Streamed and
+    # quantized experts make each expert's matrices as it runs (``expert_weights``): pairing them would copy both
+    # and hold them at once, so they run one at a time. False on an instance runs this one's experts one at a time.
+    pairs_in_place = True
 
     def __init__(self, cfg: K2Config):
         super().__init__()
@@ -152,12 +157,6 @@ class RoutedExperts(nn.Module):
         return tuple(w[first : second + 1 : second - first]  # type: ignore[return-value]
                      for w in (self.gate_proj, self.up_proj, self.down_proj))
 
-    def copied_pair_weights(self, first: int, second: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``pair_weights`` stacked from ``expert_weights``: for experts whose matrices are made per expert (streamed,
-        quantized), which take this as their ``pair_weights``. One copy of each matrix."""
-        return tuple(torch.stack(pair)  # type: ignore[return-value]
-                     for pair in zip(self.expert_weights(first), self.expert_weights(second), strict=True))
-
     def pair(self, first: int, second: int, h: torch.Tensor) -> torch.Tensor:
         """Two experts' SwiGLU as one batched product, h [2, n, D] -> [2, n, D]: h[0] through expert ``first``,
         h[1] through ``second`` (> first)."""
@@ -166,8 +165,10 @@ class RoutedExperts(nn.Module):
 
     def groups(self, counts: list[int]) -> list[tuple[int, ...]]:
         """The experts with tokens (counts [E]) as they run: pairs of similar load, each in id order, and the odd
-        one out alone."""
+        one out alone (every one alone unless ``pairs_in_place``)."""
         chosen = [e for e, count in enumerate(counts) if count]
+        if not self.pairs_in_place:
+            return [(e,) for e in chosen]
         by_load = sorted(chosen, key=counts.__getitem__)
         pairs = [tuple(sorted(pair)) for pair in zip(by_load[0::2], by_load[1::2], strict=False)]
         return pairs + [(by_load[-1],)] * (len(by_load) % 2)
@@ -184,8 +185,8 @@ class RoutedExperts(nn.Module):
         N, k = idx.shape
         D = x.shape[-1]
         flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
-        # Which experts run is read back to Python once per layer (one .tolist()), and each expert's matrices
-        # are then read in place by its own matmuls. Gathering the k chosen experts' matrices for one batched
+        # Which experts run is read back to Python once per layer (one .tolist()), and each pair's matrices are
+        # then read in place by its own batched matmuls. Gathering all the chosen experts' matrices for one batched
         # matmul would copy them first, tripling the bytes a decode step moves for its experts (docs/speed.md).
         if N == 1:  # one token (decode): every chosen expert reads its row; nothing to sort or gather
             chosen = flat.tolist()  # k distinct experts, in slot order

@@ -5,8 +5,10 @@ any one token. With ``load(..., expert_budget_bytes=B)`` every other weight is r
 expert stays in its safetensors file and is read when a token first routes to it. The most recently used
 experts, at most B bytes of them across all layers, stay in memory; the least recently used leave first.
 
-Outputs are identical to the fully loaded model's: an expert's tensors are read and converted by the same code
-either way; only the moment of reading differs.
+An expert's tensors are read and converted by the same code either way; only the moment of reading differs. Streamed
+experts run one at a time (a fully loaded model runs its experts in pairs, as batched products over views of its
+stacks), so outputs equal the fully loaded model's to float32 rounding, and bit for bit once that model's experts run
+one at a time too (``RoutedExperts.pairs_in_place = False``).
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class StreamedExperts(RoutedExperts):
     (gate, up, down) ready to use.
     """
 
-    pair_weights = RoutedExperts.copied_pair_weights  # each expert's matrices are made as it runs: no stack to view
+    pairs_in_place = False  # each expert's matrices are made as it runs: no stacks to view a pair in
 
     def __init__(self, num_experts: int, layer: int, cache: ExpertCache, format: QuantFormat,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):

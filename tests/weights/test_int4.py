@@ -14,6 +14,7 @@ import torch
 from hf_oracle import hf_model, relative_error
 from release_layout import _quiet_transformers, hf_reference, single_thread, token_ids  # noqa: F401
 from safetensors.torch import load_file, save_file
+from tiny import experts_one_at_a_time
 
 import k2lab
 from k2lab import K2Config
@@ -190,7 +191,7 @@ def test_int4_checkpoint_matches_hf_on_compressed_tensors_dequantized_weights(fo
 
 
 def test_int4_resident_and_streamed_equal_the_dequantized_model(folder):
-    dense = k2lab.load(folder, dtype=torch.float32)
+    dense = experts_one_at_a_time(k2lab.load(folder, dtype=torch.float32))
     resident = k2lab.load(folder, dtype=torch.float32, quantized_resident=True)
     experts = resident.layers[1].mlp.experts
     assert isinstance(experts, QuantizedRoutedExperts) and experts.gate_proj_packed.dtype == torch.int32
@@ -201,6 +202,13 @@ def test_int4_resident_and_streamed_equal_the_dequantized_model(folder):
     streamed = k2lab.load(folder, dtype=torch.float32, expert_budget_bytes=2 * expert_bytes, quantized_resident=True)
     assert isinstance(streamed.layers[1].mlp.experts, StreamedExperts)
     ids = token_ids(TINY, seed=1)
+
+    def in_pairs(*args):
+        raise AssertionError("quantized and streamed experts run one at a time: pairing would copy both")
+
+    for model in (resident, streamed):
+        for layer in model.layers[TINY.first_k_dense_replace :]:
+            layer.mlp.experts.pair = in_pairs
     with torch.no_grad():
         expected = dense(ids)
         assert torch.equal(resident(ids), expected) and torch.equal(streamed(ids), expected)

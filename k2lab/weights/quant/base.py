@@ -208,7 +208,7 @@ class QuantizedRoutedExperts(QuantizedResident, RoutedExperts):
     """Routed experts held as stacks of ``format``'s stored tensors, ``{gate,up,down}_proj{suffix}`` [E, ...]; a
     chosen expert is dequantized when it runs. Dispatch (forward) is RoutedExperts'; only the storage differs."""
 
-    pair_weights = RoutedExperts.copied_pair_weights  # each expert's matrices are made as it runs: no stack to view
+    pairs_in_place = False  # each expert's matrices are made as it runs: no stacks to view a pair in
 
     def __init__(self, format: QuantFormat, cfg: K2Config, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None):
