@@ -2,12 +2,12 @@
 execution allows, over a model's own weights and latent cache.
 
 Its products with a weight are the model's ``linear`` (few-row products split over threads), and its experts run in
-pairs as batched products, as the model's do. It has no modules, probes or input checks and handles only what the
-benchmark needs (batch 1, one new token, float32, a q latent, interleaved rotary pairs, one expert group). Whatever
-a decode step costs on top of its GEMVs here is the price of eager PyTorch itself on this CPU (one dispatch per
-small op); what the model's step costs on top of this floor is the price of its generality (probes, modules, shapes,
-checks). ``benchmarks.vs_hf`` times it beside the model; its logits are checked against the model's before anything
-is timed. It is a measuring stick, not a second implementation to use.
+pairs through the model's own ``RoutedExperts.pair`` (one batched product per pair). It has no modules, probes or
+input checks and handles only what the benchmark needs (batch 1, one new token, float32, a q latent, interleaved
+rotary pairs, one expert group). Whatever a decode step costs on top of its GEMVs here is the price of eager PyTorch
+itself on this CPU (one dispatch per small op); what the model's step costs on top of this floor is the price of its
+generality (probes, modules, shapes, checks). ``benchmarks.vs_hf`` times it beside the model; its logits are checked
+against the model's before anything is timed. It is a measuring stick, not a second implementation to use.
 """
 
 from __future__ import annotations
@@ -75,13 +75,10 @@ def minimal_decode_step(model: K2Model, cache: LatentCache, token: int) -> torch
             out = linear(F.silu(linear(h, shared.gate_proj.weight)) * linear(h, shared.up_proj.weight),
                            shared.down_proj.weight)
             experts, rows = chosen.tolist(), h.expand(2, 1, -1)  # in id order: each pair one strided view
-            outs = []  # [2, 1, D] per pair of experts, [1, 1, D] for an odd one out
-            for first, second in zip(experts[0::2], experts[1::2], strict=False):
-                gate, up, down = mlp.experts.pair_weights(first, second)
-                outs.append(torch.bmm(F.silu(torch.bmm(rows, gate.mT)) * torch.bmm(rows, up.mT), down.mT))
+            outs = [mlp.experts.pair(first, second, rows)  # [2, 1, D] per pair, [1, 1, D] for an odd one out
+                    for first, second in zip(experts[0::2], experts[1::2], strict=False)]
             if len(experts) % 2:
-                gate, up, down = mlp.experts.expert_weights(experts[-1])
-                outs.append(linear(F.silu(linear(h, gate)) * linear(h, up), down)[None])
+                outs.append(mlp.experts.expert(experts[-1], h)[None])
             out = out + weights[None] @ torch.cat(outs).view(len(experts), -1)  # [1, D]
         else:
             out = linear(F.silu(linear(h, mlp.gate_proj.weight)) * linear(h, mlp.up_proj.weight),

@@ -6,6 +6,8 @@ Shapes: B batch, T positions, D width, E routed experts, k experts per token, I 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -202,11 +204,10 @@ class RoutedExperts(nn.Module):
         groups = self.groups(counts)
         # The rows a group of g experts reads are one [g, m, D] block, m the group's largest count: expert j's rows
         # start at j*m, and the rows past its count are padding (token 0's row, whose outputs are never read).
-        sorted_start, block_start = [0] * len(counts), [0] * len(counts)  # [E] where expert e's rows begin:
-        for e in range(1, len(counts)):  # among the slots sorted by expert,
-            sorted_start[e] = sorted_start[e - 1] + counts[e - 1]
+        sorted_start = [0, *itertools.accumulate(counts)][:-1]  # [E] where expert e's rows begin: among the sorted
+        block_start = [0] * len(counts)  # slots, and in the blocks
         blocks, rows = [], 0
-        for group in groups:  # and in the blocks
+        for group in groups:
             m = max(counts[e] for e in group)
             for j, e in enumerate(group):
                 block_start[e] = rows + j * m
