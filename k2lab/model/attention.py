@@ -73,9 +73,13 @@ class LatentCache:
         self.max_positions = cfg.max_position_embeddings
         self.length = 0  # positions already cached; new tokens continue from here
         self.token_mask: torch.Tensor | None = None  # [B, >= length] bool: real tokens (not pads); None: all real
-        self._buffers: list[torch.Tensor] = [
-            torch.empty(batch_size, 0, self.width, dtype=dtype, device=d) for d in devices
-        ]
+        self._buffers: list[torch.Tensor] = [self._storage(0, d) for d in devices]
+
+    def _storage(self, positions: int, device: torch.device | str) -> torch.Tensor:
+        """An empty buffer [B, positions, C + R]. Always an ordinary tensor, also when made in inference mode (as
+        ``k2lab.generate`` runs), so that the cache can be written to in either mode afterwards."""
+        with torch.inference_mode(False):
+            return torch.empty(self.batch_size, positions, self.width, dtype=self.dtype, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -90,8 +94,7 @@ class LatentCache:
         buf = self._buffers[layer]
         start, end = self.length, self.length + entries.shape[1]
         if end > buf.shape[1]:  # grow by doubling
-            grown = torch.empty(self.batch_size, max(end, 2 * buf.shape[1]), self.width,
-                                dtype=self.dtype, device=buf.device)
+            grown = self._storage(max(end, 2 * buf.shape[1]), buf.device)
             grown[:, :start] = buf[:, :start]
             self._buffers[layer] = buf = grown
         buf[:, start:end] = entries
