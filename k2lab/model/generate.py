@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import AttnImpl
+from .hooks import HookedModule
 from .transformer import K2Model
 
 if TYPE_CHECKING:
@@ -91,6 +92,10 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     as ``"import "``, whose trailing space the tokenizer would have merged into the next word (" os"): the
     last prompt token is dropped and the first new token is chosen among those whose bytes start with its
     bytes. The result is then [B, T - 1 + n], and its text still starts with the prompt's.
+
+    The forward passes run in ``torch.inference_mode`` unless a hook is attached anywhere in the model
+    (``model.is_observed()``), then under ``torch.no_grad``, so that the tensors a hook keeps stay ordinary ones.
+    The result is an ordinary tensor either way.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     text = input_ids if isinstance(input_ids, str) or (isinstance(input_ids, list | tuple) and input_ids
@@ -125,6 +130,30 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
 
+    # Inference mode skips autograd's bookkeeping on every op (version counters, view records), which no_grad keeps:
+    # about a tenth of a small model's decode step on the CPU (docs/speed.md, "Generation in inference mode"). Its
+    # tensors can never enter autograd, so it is used only when no hook can keep one; the result is made outside it.
+    observed = not isinstance(model, HookedModule) or model.is_observed()
+    with torch.no_grad() if observed else torch.inference_mode():
+        out = _decode(model, ids, mask, allowed, max_new_tokens, temperature, top_k, top_p, generator, eos,
+                      attn_impl)
+    result = torch.cat(out, dim=1)  # [B, T + n], an ordinary tensor whichever mode made its parts
+    if text is None:
+        return result
+    texts = []
+    for row, real in zip(result.tolist(), (mask if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+                                           ).tolist(), strict=True):
+        prompt = [i for i, keep in zip(row, real, strict=False) if keep]
+        new = row[len(real):]
+        new = new[: new.index(eos)] if eos is not None and eos in new else new
+        texts.append(tokenizer.decode(prompt + new))
+    return texts[0] if isinstance(text, str) else texts
+
+
+def _decode(model: K2Model, ids: torch.Tensor, mask: torch.Tensor | None, allowed: torch.Tensor | None,
+            max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+            generator: torch.Generator | None, eos: int | None, attn_impl: AttnImpl) -> list[torch.Tensor]:
+    """generate's loop: the prompt ids [B, T], then each step's new tokens [B, 1], as a list to concatenate."""
     B, T = ids.shape
     cache = model.new_cache(B)
     done = torch.zeros(B, dtype=torch.bool, device=ids.device)
@@ -146,14 +175,4 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
         step_input, step_mask, last = token[:, None], None, torch.zeros_like(last)
         if done.all():
             break
-    result = torch.cat(out, dim=1)
-    if text is None:
-        return result
-    texts = []
-    for row, real in zip(result.tolist(), (mask if mask is not None else torch.ones_like(ids, dtype=torch.bool)
-                                           ).tolist(), strict=True):
-        prompt = [i for i, keep in zip(row, real, strict=False) if keep]
-        new = row[len(real):]
-        new = new[: new.index(eos)] if eos is not None and eos in new else new
-        texts.append(tokenizer.decode(prompt + new))
-    return texts[0] if isinstance(text, str) else texts
+    return out

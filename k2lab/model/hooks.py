@@ -155,6 +155,20 @@ class HookedModule(nn.Module):
         for name, point in self._hook_points.items():
             point.name = name
 
+    def is_observed(self) -> bool:
+        """True when something may see the forward's tensors: a function on a probe (k2lab's, PyTorch's or an
+        nnsight trace: ``HookPoint.active``), a PyTorch forward hook on any other module or on every module, or a
+        wrapper in place of a module's ``forward`` (nnsight's). ``k2lab.generate`` runs in inference mode only when
+        nothing is, because a tensor made in inference mode that a hook keeps could never enter autograd later."""
+        if any(point.active for point in self._hook_points.values()):
+            return True
+        if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
+               for m in self.modules() if not isinstance(m, HookPoint)):
+            return True
+        # Hooks registered for every module (nn.modules.module.register_module_forward_hook) live in these registries.
+        return bool(getattr(torch.nn.modules.module, "_global_forward_hooks", None)
+                    or getattr(torch.nn.modules.module, "_global_forward_pre_hooks", None))
+
     def hook_names(self) -> list[str]:
         """Every probe, layer by layer in module order (a cache from run_with_cache is in firing order)."""
         return list(self._hook_points)

@@ -1,0 +1,118 @@
+"""Inference mode: generate runs its forwards in it when nothing observes the model, and under no_grad when a hook
+does, so that what a hook keeps can still enter autograd; its result is an ordinary tensor either way. A latent
+cache filled in inference mode goes on working outside it."""
+
+from __future__ import annotations
+
+import importlib
+from unittest import mock
+
+import pytest
+import torch
+from tiny import random_model
+
+import k2lab
+
+generate_module = importlib.import_module("k2lab.model.generate")  # the module (k2lab.model.generate is the function)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model()
+
+
+@pytest.fixture()
+def ids():
+    return torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(3))
+
+
+def modes_seen(model, ids, **kwargs) -> tuple[torch.Tensor, list[bool]]:
+    """generate's result, and for each step whether sample_next ran in inference mode."""
+    seen = []
+    sample_next = generate_module.sample_next
+
+    def spy(logits, *args, **kw):
+        seen.append(torch.is_inference_mode_enabled() and logits.is_inference())
+        return sample_next(logits, *args, **kw)
+
+    with mock.patch.object(generate_module, "sample_next", spy):
+        out = k2lab.generate(model, ids, 4, **kwargs)
+    return out, seen
+
+
+def test_unobserved_generation_runs_in_inference_mode_and_returns_an_ordinary_tensor(model, ids):
+    out, seen = modes_seen(model, ids)
+    assert seen == [True] * 4
+    assert not model.is_observed()
+    assert not out.is_inference()
+    # The ids can feed a forward that trains: the embedding saves them for its backward.
+    with torch.enable_grad():
+        model(out, return_type="loss").backward()
+    assert model.embed_tokens.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+
+
+def test_same_tokens_in_either_mode(model, ids):
+    fast, _ = modes_seen(model, ids)
+    with model.hooks(fwd_hooks=[("hook_logits", lambda t, hook: None)]):
+        assert model.is_observed()
+        slow, seen = modes_seen(model, ids)
+    assert seen == [False] * 4
+    assert torch.equal(fast, slow)
+
+
+def test_what_a_probe_keeps_during_generation_can_enter_autograd(model, ids):
+    kept = []
+    with model.hooks(fwd_hooks=[("layers.1.hook_resid_post", lambda t, hook: kept.append(t))]):
+        k2lab.generate(model, ids, 3)
+    assert len(kept) == 3 and not any(t.is_inference() for t in kept)
+    w = torch.ones(kept[0].shape[-1], requires_grad=True)
+    (kept[-1] * w).sum().backward()  # an inference tensor cannot be saved for backward: this would raise
+    assert w.grad is not None
+
+
+@pytest.mark.parametrize("where", ["submodule", "pre-hook", "every module", "wrapped forward"])
+def test_torch_forward_hooks_count_as_observers(model, ids, where):
+    kept = []
+
+    def keep(module, args, output=None):
+        kept.append(output if output is not None else args[0])
+
+    if where == "submodule":
+        handle = model.layers[2].mlp.register_forward_hook(keep)
+    elif where == "pre-hook":
+        handle = model.norm.register_forward_pre_hook(keep)
+    elif where == "wrapped forward":  # as nnsight wraps a module
+        mlp, forward = model.layers[2].mlp, model.layers[2].mlp.forward
+
+        def wrapper(x):
+            kept.append(forward(x))
+            return kept[-1]
+
+        mlp.forward = wrapper
+        handle = mock.Mock(remove=lambda: mlp.__dict__.pop("forward"))
+    else:
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda module, args, output: kept.append(output) if module is model.norm else None)
+    try:
+        assert model.is_observed()
+        _, seen = modes_seen(model, ids)
+    finally:
+        handle.remove()
+    assert seen == [False] * 4
+    assert kept and not any(t.is_inference() for t in kept if isinstance(t, torch.Tensor))
+    assert not model.is_observed()
+
+
+def test_a_cache_filled_in_inference_mode_works_outside_it(model):
+    ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = model(ids)  # [1, 9, V]
+    with torch.inference_mode():
+        cache = model.new_cache(1)
+        prefill = model(ids[:, :5], cache=cache)  # the buffers are made here and grow (5 -> 10 positions) here
+        step = model(ids[:, 5:6], cache=cache)
+    with torch.no_grad():
+        second = model(ids[:, 6:8], cache=cache)  # written into those buffers outside inference mode
+    third = model(ids[:, 8:], cache=cache).detach()  # and with autograd on
+    torch.testing.assert_close(torch.cat([prefill, step, second, third], dim=1), whole, atol=1e-4, rtol=0)
