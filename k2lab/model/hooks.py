@@ -156,13 +156,15 @@ class HookedModule(nn.Module):
             point.name = name
 
     def is_observed(self) -> bool:
-        """True when something may see the forward's tensors: a function on a probe (k2lab's, PyTorch's or an
-        nnsight trace: ``HookPoint.active``), a PyTorch forward hook on any other module or on every module, or a
-        wrapper in place of a module's ``forward`` (nnsight's). ``k2lab.generate`` runs in inference mode only when
-        nothing is, because a tensor made in inference mode that a hook keeps could never enter autograd later."""
+        """True when code other than k2lab's and PyTorch's may see the forward's tensors: a function on a probe
+        (k2lab's, PyTorch's or an nnsight trace: ``HookPoint.active``), a PyTorch forward hook on any other module or
+        on every module, a wrapper in place of a module's ``forward`` (nnsight's), or a module of any other class
+        spliced into the model (it could keep what it sees). ``k2lab.generate`` runs in inference mode only when
+        nothing is, because a tensor made in inference mode that such code keeps could never enter autograd later."""
         if any(point.active for point in self._hook_points.values()):
             return True
         if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__
+               or not type(m).__module__.startswith(("k2lab.", "torch."))
                for m in self.modules() if not isinstance(m, HookPoint)):
             return True
         # Hooks registered for every module (nn.modules.module.register_module_forward_hook) live in these registries.

@@ -73,7 +73,8 @@ class RotaryEmbedding:
         """cos and sin for integer positions [T] -> two [T, R] tensors (float32, each pair's angle twice)."""
         inv_freq = self._on_device.get(positions.device)
         if inv_freq is None:
-            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+            with torch.inference_mode(False):  # kept: an ordinary tensor even when first made in inference mode
+                inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
         angles = torch.cat((angles, angles), dim=-1)  # [T, R]
         return angles.cos() * self.scale, angles.sin() * self.scale

@@ -77,7 +77,8 @@ class ExpertCache:
             self._entries.move_to_end(key)
             self.stats.hits += 1
             return self._entries[key]
-        tensors, nbytes_read = self._fetch(layer, expert)
+        with torch.inference_mode(False):  # kept tensors stay ordinary when read in inference mode (generate), so
+            tensors, nbytes_read = self._fetch(layer, expert)  # that a later forward under autograd can use them
         self.stats.misses += 1
         self.stats.bytes_read += nbytes_read
         size = sum(t.nbytes for t in tensors)

@@ -71,8 +71,20 @@ def test_what_a_probe_keeps_during_generation_can_enter_autograd(model, ids):
     assert w.grad is not None
 
 
-@pytest.mark.parametrize("where", ["submodule", "pre-hook", "every module", "wrapped forward"])
-def test_torch_forward_hooks_count_as_observers(model, ids, where):
+class KeepingMLP(torch.nn.Module):
+    """A module of the user's spliced into the model, which keeps what it sees (as an SAE wrapper might)."""
+
+    def __init__(self, mlp, kept):
+        super().__init__()
+        self.mlp, self.kept = mlp, kept
+
+    def forward(self, x):
+        self.kept.append(self.mlp(x))
+        return self.kept[-1]
+
+
+@pytest.mark.parametrize("where", ["submodule", "pre-hook", "every module", "wrapped forward", "spliced module"])
+def test_hooks_wrappers_and_foreign_modules_count_as_observers(model, ids, where):
     kept = []
 
     def keep(module, args, output=None):
@@ -82,6 +94,10 @@ def test_torch_forward_hooks_count_as_observers(model, ids, where):
         handle = model.layers[2].mlp.register_forward_hook(keep)
     elif where == "pre-hook":
         handle = model.norm.register_forward_pre_hook(keep)
+    elif where == "spliced module":
+        layer = model.layers[2]
+        original, layer.mlp = layer.mlp, KeepingMLP(layer.mlp, kept)
+        handle = mock.Mock(remove=lambda: setattr(layer, "mlp", original))
     elif where == "wrapped forward":  # as nnsight wraps a module
         mlp, forward = model.layers[2].mlp, model.layers[2].mlp.forward
 
@@ -116,3 +132,15 @@ def test_a_cache_filled_in_inference_mode_works_outside_it(model):
         second = model(ids[:, 6:8], cache=cache)  # written into those buffers outside inference mode
     third = model(ids[:, 8:], cache=cache).detach()  # and with autograd on
     torch.testing.assert_close(torch.cat([prefill, step, second, third], dim=1), whole, atol=1e-4, rtol=0)
+
+
+def test_a_rotary_table_first_made_in_inference_mode_stays_ordinary():
+    """A device's copy of the rotary frequencies is kept for every later call: made in inference mode (the first
+    generate on a GPU), it would break a compiled training step there, which saves it for backward."""
+    from k2lab.model.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(k2lab.K2Config.mini())
+    with torch.inference_mode():
+        cos, _ = rope.cos_sin(torch.arange(3, device="meta"))  # a device the table is not on yet
+    assert cos.is_inference()  # what the call returns belongs to the call's mode
+    assert not rope._on_device[torch.device("meta")].is_inference()

@@ -57,6 +57,17 @@ def test_streamed_greedy_generation_equals_the_fully_loaded_model(folder, full):
     assert torch.equal(k2lab.generate(model, ids, 6), k2lab.generate(full, ids, 6))
 
 
+def test_experts_kept_during_generation_serve_a_later_forward_under_autograd(folder, full):
+    """generate runs in inference mode; what the expert cache keeps from it must stay ordinary tensors."""
+    model = k2lab.load(folder, dtype=torch.float32, expert_budget_bytes=10 * EXPERT_FLOAT32_BYTES)
+    ids = token_ids(TINY_FP8, batch=1, length=5, seed=3)
+    k2lab.generate(model, ids, 2)
+    assert model.expert_cache.stats.cached_bytes > 0
+    assert not any(t.is_inference() for entry in model.expert_cache._entries.values() for t in entry)
+    model(ids, return_type="loss").backward()  # saving an inference tensor for backward would raise here
+    assert model.embed_tokens.weight.grad is not None
+
+
 def test_fp8_resident_streaming_caches_e4m3_and_matches(folder, full):
     model = k2lab.load(folder, dtype=torch.float32, expert_budget_bytes=10**7, fp8_resident=True)
     ids = token_ids(TINY_FP8, seed=4)
