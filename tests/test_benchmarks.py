@@ -100,3 +100,27 @@ def test_moe_dispatch_times_pairs_against_the_same_experts_one_by_one(model):
     assert runs["pairs bmm"] == 3 * (chosen // 2) and runs["one by one bmm"] == 0
     torch.testing.assert_close(runs["pairs"], runs["one by one"], rtol=1e-5, atol=1e-6)
     assert single.gate_proj is experts.gate_proj
+
+
+def test_generate_mode_times_the_same_generation_in_inference_mode_and_under_no_grad(model):
+    """benchmarks.generate_mode's contenders differ in exactly the mode their forwards run in: the same tokens, and
+    the same decode step at a cached context, which each leaves where it was."""
+    from benchmarks.generate_mode import decode_steps, generate_calls
+
+    modes = []
+    original = type(model).forward
+
+    def spy(self, *args, **kwargs):
+        modes.append(torch.is_inference_mode_enabled())
+        return original(self, *args, **kwargs)
+
+    runs = generate_calls(model, 3)
+    steps = decode_steps(model, 20)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(model), "forward", spy)
+        tokens = {name: run() for name, run in runs.items()}
+        logits = {name: run() for name, run in steps.items()}
+    assert modes == [True] * 3 + [False] * 3 + [True, False]
+    assert torch.equal(tokens["inference mode"], tokens["no_grad"])
+    torch.testing.assert_close(logits["inference mode"], logits["no_grad"], rtol=0, atol=0)
+    assert not model.is_observed()  # the no_grad contender's probe is gone after its call
