@@ -131,8 +131,9 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
         generator = torch.Generator(device=model.device).manual_seed(seed)
 
     # Inference mode skips autograd's bookkeeping on every op (version counters, view records), which no_grad keeps:
-    # about a tenth of a small model's decode step on the CPU (docs/speed.md, "Generation in inference mode"). Its
-    # tensors can never enter autograd, so it is used only when no hook can keep one; the result is made outside it.
+    # a tenth to a fifth of K2-nano's generation on the CPU (docs/speed.md, "Generation in inference mode"). Its
+    # tensors can never enter autograd, so it is used only when no code but k2lab's and PyTorch's could keep one
+    # (model.is_observed()); the result is made outside it.
     observed = not isinstance(model, HookedModule) or model.is_observed()
     with torch.no_grad() if observed else torch.inference_mode():
         out = _decode(model, ids, mask, allowed, max_new_tokens, temperature, top_k, top_p, generator, eos,
