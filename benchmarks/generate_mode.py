@@ -20,7 +20,8 @@ import torch
 
 import k2lab
 
-from .vs_hf import BENCH, alternate_threads, table
+from .timing import alternate_threads
+from .vs_hf import BENCH, table
 
 
 def bench_model() -> k2lab.K2Model:

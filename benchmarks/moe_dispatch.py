@@ -25,7 +25,8 @@ import torch
 
 from k2lab.model.moe import MoE, RoutedExperts
 
-from .vs_hf import BENCH, alternate_threads
+from .timing import alternate_threads
+from .vs_hf import BENCH
 
 
 def one_by_one(experts: RoutedExperts) -> RoutedExperts:

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from k2lab.model import linear as linear_module
 from k2lab.model.linear import linear
 
-from .timing import weight_reads
-from .vs_hf import BENCH, alternate_threads, build_pair, decode_matrices
+from .timing import alternate_threads, weight_reads
+from .vs_hf import BENCH, build_pair, decode_matrices
 
 
 def check_equal(shapes: list[tuple[int, int]], rows: int, threads: list[int]) -> None:

@@ -9,28 +9,50 @@ import time
 from collections.abc import Callable
 
 
+def alternate_threads(runs: dict[str, Callable[[], object]], threads: list[int], rounds: int,
+                      warmup: int = 1) -> dict[tuple[str, int], float]:
+    """Median seconds per call of each run at each thread count: every round times every run at every thread
+    count in turn, so slow spells of a shared machine fall on all of them alike. The runs' order rotates from
+    round to round, so none always follows the same neighbour (whose freed memory or evicted caches it would
+    inherit). The first ``warmup`` rounds are not timed; torch is left at the largest thread count."""
+    import torch
+
+    times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in runs for n in threads}
+    names = list(runs)
+    for round_ in range(warmup + rounds):
+        for n in threads:
+            torch.set_num_threads(n)
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                start = time.perf_counter()
+                runs[name]()
+                if round_ >= warmup:
+                    times[name, n].append(time.perf_counter() - start)
+    torch.set_num_threads(max(threads))
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def alternate(runs: dict[str, Callable[[], object]], rounds: int = 5, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each run, timed in alternating rounds after ``warmup`` untimed rounds."""
-    for _ in range(warmup):
-        for run in runs.values():
-            run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median seconds per call of each run at torch's current thread count (``alternate_threads`` at one count)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    return {name: t for (name, _), t in alternate_threads(runs, [threads], rounds, warmup).items()}
 
 
-def copy_bandwidth(num_bytes: int = 1 << 30, rounds: int = 5) -> float:
-    """Measured memory bandwidth in bytes/s: a large tensor copy reads and writes ``num_bytes`` each."""
+def tensor_copy(num_bytes: int) -> Callable[[], object]:
+    """A run that copies one tensor to another, reading and writing ``num_bytes`` each: what the memory bandwidth
+    allows."""
     import torch
 
     src = torch.ones(num_bytes // 4)
     dst = torch.empty_like(src)
-    seconds = alternate({"copy": lambda: dst.copy_(src)}, rounds=rounds)["copy"]
-    return 2 * num_bytes / seconds
+    return lambda: dst.copy_(src)
+
+
+def copy_bandwidth(num_bytes: int = 1 << 30, rounds: int = 5) -> float:
+    """Measured memory bandwidth in bytes/s: a large tensor copy reads and writes ``num_bytes`` each."""
+    return 2 * num_bytes / alternate({"copy": tensor_copy(num_bytes)}, rounds=rounds)["copy"]
 
 
 def matmul_rate(n: int = 2048, dtype=None, rounds: int = 5) -> float:

@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 
@@ -48,8 +46,9 @@ from k2lab.weights.schema import checkpoint_tensors
 
 from .eager_floor import check_supported, minimal_decode_step
 from .replay import heavy_kernels
-from .timing import matmul_rate, weight_reads
+from .timing import alternate_threads, matmul_rate, tensor_copy, weight_reads
 
+COPY_BYTES = 1 << 28  # the copy timed beside the prefill, for the bandwidth each thread count gets
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
 BENCH = K2Config.mini().replace(
@@ -122,34 +121,6 @@ def prefill_flops(cfg: K2Config, tokens: int) -> float:
     heads = cfg.num_attention_heads * cfg.num_hidden_layers
     attention = 2 * heads * tokens * tokens / 2 * (cfg.qk_head_dim + cfg.v_head_dim)
     return 2 * matrices * tokens + attention
-
-
-def alternate_threads(runs: dict[str, Callable[[], object]], threads: list[int], rounds: int,
-                      warmup: int = 1) -> dict[tuple[str, int], float]:
-    """Median seconds per call of each run at each thread count: every round times every run at every thread
-    count in turn, so slow spells of a shared machine fall on all of them alike. The runs' order rotates from
-    round to round, so none always follows the same neighbour (whose freed memory or evicted caches it would
-    inherit)."""
-    times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in runs for n in threads}
-    names = list(runs)
-    for round_ in range(warmup + rounds):
-        for n in threads:
-            torch.set_num_threads(n)
-            shift = round_ % len(names)
-            for name in names[shift:] + names[:shift]:
-                start = time.perf_counter()
-                runs[name]()
-                if round_ >= warmup:
-                    times[name, n].append(time.perf_counter() - start)
-    torch.set_num_threads(max(threads))
-    return {key: statistics.median(t) for key, t in times.items()}
-
-
-def copy_seconds(num_bytes: int = 1 << 28) -> Callable[[], object]:
-    """A large tensor copy (reads and writes ``num_bytes`` each): the memory bandwidth a thread count gets."""
-    src = torch.ones(num_bytes // 4)
-    dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
 
 
 def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[str, Callable[[], object]]:
@@ -234,7 +205,7 @@ def main() -> None:
         "kernels": kernels,
         "naive": lambda: ours(ids, attn_impl="naive"),
         "absorbed": lambda: ours(ids, attn_impl="absorbed"),
-        "copy": copy_seconds(),
+        "copy": tensor_copy(COPY_BYTES),
     }, threads, args.rounds)
     decode = {context: alternate_threads(decode_steps(ref, ours, context, gen), threads, max(args.rounds, 9))
               for context in args.contexts}
@@ -258,7 +229,7 @@ def main() -> None:
                       "GEMVs, F.linear and split (ms)", "",
                       [" / ".join(f"{t[name, n] * 1e3:.1f}" for name in ("hf", "k2lab", "naive", "generate", "floor",
                                                                         "gemv", "gemv split")) for n in threads]))
-    bandwidth = {n: 2 * (1 << 28) / prefill["copy", n] for n in threads}
+    bandwidth = {n: 2 * COPY_BYTES / prefill["copy", n] for n in threads}
     for context in decode:
         times.append((f"decode at {context}: bytes read / copy bandwidth (ms floor)", "",
                       [f"{decode_bytes(cfg, context) / bandwidth[n] * 1e3:.1f}" for n in threads]))
