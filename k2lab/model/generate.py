@@ -93,9 +93,10 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     last prompt token is dropped and the first new token is chosen among those whose bytes start with its
     bytes. The result is then [B, T - 1 + n], and its text still starts with the prompt's.
 
-    The forward passes run in ``torch.inference_mode`` unless a hook is attached anywhere in the model
-    (``model.is_observed()``), then under ``torch.no_grad``, so that the tensors a hook keeps stay ordinary ones.
-    The result is an ordinary tensor either way.
+    The forward passes run in ``torch.inference_mode`` (faster on the CPU) unless code other than k2lab's and
+    PyTorch's could see the model's tensors, such as a hook on a probe or module, or a module of another class
+    spliced in (``model.is_observed()``); then under ``torch.no_grad``, so that what such code keeps stays ordinary
+    tensors that autograd can use later. The result is an ordinary tensor either way.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     text = input_ids if isinstance(input_ids, str) or (isinstance(input_ids, list | tuple) and input_ids
