@@ -2,7 +2,7 @@
 execution allows, over a model's own weights and latent cache.
 
 Its products with a weight are the model's ``linear`` (few-row products split over threads), and its experts run in
-pairs through the model's own ``RoutedExperts.pair`` (one batched product per pair). It has no modules, probes or
+pairs through the model's own ``RoutedExperts.run_groups`` (one batched product per pair). It has no modules, probes or
 input checks and handles only what the benchmark needs (batch 1, one new token, float32, a q latent, interleaved
 rotary pairs, one expert group). Whatever a decode step costs on top of its GEMVs here is the price of eager PyTorch
 itself on this CPU (one dispatch per small op); what the model's step costs on top of this floor is the price of its
@@ -74,11 +74,9 @@ def minimal_decode_step(model: K2Model, cache: LatentCache, token: int) -> torch
             shared = mlp.shared_experts
             out = linear(F.silu(linear(h, shared.gate_proj.weight)) * linear(h, shared.up_proj.weight),
                            shared.down_proj.weight)
-            experts, rows = chosen.tolist(), h.expand(2, 1, -1)  # in id order: each pair one strided view
-            outs = [mlp.experts.pair(first, second, rows)  # [2, 1, D] per pair, [1, 1, D] for an odd one out
-                    for first, second in zip(experts[0::2], experts[1::2], strict=False)]
-            if len(experts) % 2:
-                outs.append(mlp.experts.expert(experts[-1], h)[None])
+            experts = chosen.tolist()  # in id order: each pair one strided view of the stacks, an odd one out alone
+            groups = [tuple(experts[i : i + 2]) for i in range(0, len(experts), 2)]
+            outs = mlp.experts.run_groups(groups, [h.expand(len(g), 1, -1) for g in groups])  # [g, 1, D] each
             out = out + weights[None] @ torch.cat(outs).view(len(experts), -1)  # [1, D]
         else:
             out = linear(F.silu(linear(h, mlp.gate_proj.weight)) * linear(h, mlp.up_proj.weight),

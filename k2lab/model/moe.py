@@ -121,6 +121,35 @@ class Router(nn.Module):
         return idx, self.hook_topk_weights(weights * self.scaling)
 
 
+def group_span(group: tuple[int, ...]) -> slice:
+    """The slice of a stack [E, ...] that holds a group's experts: a < b as rows a and b (a stride of b - a), e as row
+    e alone."""
+    first, last = group[0], group[-1]
+    return slice(first, last + 1, max(last - first, 1))
+
+
+class StackSlices(torch.autograd.Function):
+    """Views of a stacked parameter [E, ...], one per group of experts (``group_span``), whose backward writes every
+    group's gradient into one stack-sized tensor. Plain slicing would do the same forward, but each slice's backward
+    fills a zeroed stack-sized gradient of its own, which autograd then adds into the stack's: one stack's worth of
+    writes per group, per stack, per layer (docs/speed.md, "Experts in pairs")."""
+
+    @staticmethod
+    def forward(ctx, stack: torch.Tensor, groups: list[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
+        ctx.groups, ctx.shape = groups, stack.shape
+        return tuple(stack[group_span(group)] for group in groups)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        stack_grad = None
+        for group, grad in zip(ctx.groups, grads, strict=True):
+            if grad is not None:  # a group whose output did not reach the loss has no gradient
+                if stack_grad is None:
+                    stack_grad = grad.new_zeros(ctx.shape)
+                stack_grad[group_span(group)] += grad
+        return stack_grad, None
+
+
 class RoutedExperts(nn.Module):
     """E SwiGLU experts stored stacked: gate_proj/up_proj [E, I, D], down_proj [E, D, I].
 
@@ -153,17 +182,19 @@ class RoutedExperts(nn.Module):
         gate, up, down = self.expert_weights(expert)
         return linear(F.silu(linear(h, gate)) * linear(h, up), down)
 
-    def pair_weights(self, first: int, second: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate [2, I, D], up [2, I, D], down [2, D, I]) of experts first < second: one strided slice of each stack,
-        no copy."""
-        return tuple(w[first : second + 1 : second - first]  # type: ignore[return-value]
-                     for w in (self.gate_proj, self.up_proj, self.down_proj))
+    def group_weights(self, groups: list[tuple[int, ...]]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Each group's (gate [g, I, D], up [g, I, D], down [g, D, I]), groups of one or two experts in id order
+        (``groups``): views of the stacks, no copy, through one ``StackSlices`` per stack."""
+        slices = [StackSlices.apply(w, groups) for w in (self.gate_proj, self.up_proj, self.down_proj)]
+        return list(zip(*slices, strict=True))
 
-    def pair(self, first: int, second: int, h: torch.Tensor) -> torch.Tensor:
-        """Two experts' SwiGLU as one batched product, h [2, n, D] -> [2, n, D]: h[0] through expert ``first``,
-        h[1] through ``second`` (> first)."""
-        gate, up, down = self.pair_weights(first, second)
-        return torch.bmm(F.silu(torch.bmm(h, gate.mT)) * torch.bmm(h, up.mT), down.mT)
+    def run_groups(self, groups: list[tuple[int, ...]], blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each group's experts on its row block, h [g, n, D] -> [g, n, D] (row block j through expert group[j]): one
+        batched SwiGLU per group over ``group_weights``, or, unless ``pairs_in_place``, ``expert`` one at a time."""
+        if not self.pairs_in_place:
+            return [self.expert(group[0], h[0])[None] for group, h in zip(groups, blocks, strict=True)]
+        return [torch.bmm(F.silu(torch.bmm(h, gate.mT)) * torch.bmm(h, up.mT), down.mT)
+                for h, (gate, up, down) in zip(blocks, self.group_weights(groups), strict=True)]
 
     def groups(self, counts: list[int]) -> list[tuple[int, ...]]:
         """The experts with tokens (counts [E]) as they run: pairs of similar load, each in id order, and the odd
@@ -174,10 +205,6 @@ class RoutedExperts(nn.Module):
         by_load = sorted(chosen, key=counts.__getitem__)
         pairs = [tuple(sorted(pair)) for pair in zip(by_load[0::2], by_load[1::2], strict=False)]
         return pairs + [(by_load[-1],)] * (len(by_load) % 2)
-
-    def run(self, group: tuple[int, ...], h: torch.Tensor) -> torch.Tensor:
-        """One group of ``groups``: h [g, n, D], row block j for expert group[j] -> [g, n, D]."""
-        return self.pair(*group, h) if len(group) == 2 else self.expert(group[0], h[0])[None]
 
     # Which experts run, and on how many tokens, is data: torch.compile would specialise on it and recompile
     # every step. Compiled models (the training run) call this eagerly and fuse the dense code around it.
@@ -195,9 +222,9 @@ class RoutedExperts(nn.Module):
             counts = [0] * self.num_experts
             for e in chosen:
                 counts[e] = 1
-            out = {}  # expert -> [1, D]
-            for group in self.groups(counts):
-                out.update(zip(group, self.run(group, x.expand(len(group), 1, D)).unbind(), strict=True))
+            groups = self.groups(counts)
+            outs = self.run_groups(groups, [x.expand(len(group), 1, D) for group in groups])  # [g, 1, D] each
+            out = dict(zip(itertools.chain(*groups), torch.cat(outs).unbind(), strict=True))  # expert -> [1, D]
             return torch.cat([out[e] for e in chosen]).view(1, k, D)
 
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -222,8 +249,8 @@ class RoutedExperts(nn.Module):
         # expert). On the CPU index_select gathers rows about three times faster than x[order // k] and puts them
         # back faster than index_copy_ does (python -m benchmarks.moe_dispatch).
         grouped = x.index_select(0, token_of_row).split(blocks)  # per group [g*m, D]
-        out = torch.cat([self.run(group, h.view(len(group), -1, D)).view(-1, D)
-                         for group, h in zip(groups, grouped, strict=True)])  # [rows, D]
+        outs = self.run_groups(groups, [h.view(len(group), -1, D) for group, h in zip(groups, grouped, strict=True)])
+        out = torch.cat([o.view(-1, D) for o in outs])  # [rows, D]
         row_of_slot = torch.empty_like(order).index_copy_(0, order, row_of_sorted)  # [N*k]
         return out.index_select(0, row_of_slot).view(N, k, D)  # back to slot order
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hf_oracle import relative_error
 from tiny import TINY
 
-from k2lab.model.moe import RoutedExperts
+from k2lab.model.moe import RoutedExperts, StackSlices, group_span
 
 E = TINY.n_routed_experts
 
@@ -49,15 +49,15 @@ def _each_slot_alone(experts: RoutedExperts, x: torch.Tensor, idx: torch.Tensor)
     return torch.stack([torch.stack(row) for row in rows])
 
 
-def _count_pairs(experts: RoutedExperts) -> list[tuple[int, int]]:
+def _count_pairs(experts: RoutedExperts) -> list[tuple[int, ...]]:
     calls = []
-    run_pair = experts.pair
+    group_weights = experts.group_weights
 
-    def counting(first, second, h):
-        calls.append((first, second))
-        return run_pair(first, second, h)
+    def counting(groups):
+        calls.extend(group for group in groups if len(group) == 2)
+        return group_weights(groups)
 
-    experts.pair = counting
+    experts.group_weights = counting
     return calls
 
 
@@ -104,8 +104,36 @@ def test_groups_pair_experts_of_similar_load_in_id_order():
     assert experts.groups(counts) == [(0,), (2,), (3,), (4,), (5,), (7,), (8,)]
 
 
-def test_pair_weights_are_views_of_the_stacks():
+def test_group_weights_are_views_of_the_stacks():
     experts = _experts()
-    gate, up, down = experts.pair_weights(3, 11)
+    (gate, up, down), (single_gate, _, single_down) = experts.group_weights([(3, 11), (5,)])
     assert gate.data_ptr() == experts.gate_proj[3].data_ptr() and torch.equal(gate[1], experts.gate_proj[11])
     assert torch.equal(up, experts.up_proj[[3, 11]]) and torch.equal(down, experts.down_proj[[3, 11]])
+    assert single_gate.shape == (1, *experts.gate_proj.shape[1:]) and torch.equal(single_down[0], experts.down_proj[5])
+    assert single_gate.data_ptr() == experts.gate_proj[5].data_ptr()
+
+
+def test_stack_slices_backward_equals_slicing_and_is_one_node_per_stack():
+    """StackSlices' backward writes all groups' gradients into one stack-sized tensor: the gradient plain slices
+    give, a group whose output reaches no loss included, from one autograd node instead of one per group."""
+    gen = torch.Generator().manual_seed(5)
+    groups = [(1, 6), (0, 3), (2, 7), (4,), (5,)]  # strides 5, 3, 5 and two singles; group (5,) reaches no loss
+    weights = [torch.randn(len(g), 3, 4, generator=gen) for g in groups]
+    stack = torch.randn(8, 3, 4, generator=gen, requires_grad=True)
+    views = StackSlices.apply(stack, groups)
+    sum((v * w).sum() for v, w in zip(views[:-1], weights, strict=False)).backward()
+    plain = stack.detach().clone().requires_grad_()
+    sum((plain[group_span(g)] * w).sum() for g, w in zip(groups[:-1], weights, strict=False)).backward()
+    assert torch.equal(stack.grad, plain.grad) and stack.grad[5].abs().max() == 0
+
+    x = torch.randn(37, TINY.hidden_size, generator=gen, requires_grad=True)
+    out = _experts()(x, _route(37, 4))
+    nodes, frontier = set(), [out.grad_fn]
+    while frontier:  # every node of the backward graph
+        node = frontier.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            frontier.extend(next_node for next_node, _ in node.next_functions)
+    names = [type(node).__name__ for node in nodes]
+    assert names.count("StackSlicesBackward") == 3  # gate, up, down: one node each, whatever the number of groups
+    assert not any(name.startswith("SliceBackward") for name in names)

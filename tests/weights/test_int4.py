@@ -208,7 +208,7 @@ def test_int4_resident_and_streamed_equal_the_dequantized_model(folder):
 
     for model in (resident, streamed):
         for layer in model.layers[TINY.first_k_dense_replace :]:
-            layer.mlp.experts.pair = in_pairs
+            layer.mlp.experts.group_weights = in_pairs
     with torch.no_grad():
         expected = dense(ids)
         assert torch.equal(resident(ids), expected) and torch.equal(streamed(ids), expected)
