@@ -11,7 +11,9 @@ from a real router over random hidden states, so expert loads are uneven as in a
 - a whole routed-experts call with its experts one at a time (one gather, one cat, one un-permute) against
   gathering and scattering group by group (the inference path it replaced);
 - a whole routed-experts call, k2lab's (experts in pairs of similar load, one batched product per pair over a
-  strided view of the stacks) against the same dispatch with its experts one at a time.
+  strided view of the stacks) against the same dispatch with its experts one at a time;
+- the same call's forward and backward, as training runs it: the stacks read through ``StackSlices`` (one gradient
+  node per stack) against plain slices (one stack-sized gradient per pair and stack).
 Each pair's results are checked equal before timing.
 """
 
@@ -20,10 +22,11 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+from collections.abc import Callable
 
 import torch
 
-from k2lab.model.moe import MoE, RoutedExperts
+from k2lab.model.moe import MoE, RoutedExperts, group_span
 
 from .timing import alternate_threads
 from .vs_hf import BENCH
@@ -34,6 +37,30 @@ def one_by_one(experts: RoutedExperts) -> RoutedExperts:
     single = copy.copy(experts)
     single.pairs_in_place = False
     return single
+
+
+def sliced_per_group(experts: RoutedExperts) -> RoutedExperts:
+    """The same experts (shared weights) whose groups read the stacks through plain slices: in backward, one
+    stack-sized gradient per group and stack, which ``StackSlices`` replaced with one per stack."""
+    plain = copy.copy(experts)
+    stacks = (experts.gate_proj, experts.up_proj, experts.down_proj)
+    plain.group_weights = lambda groups: [tuple(w[group_span(group)] for w in stacks) for group in groups]
+    return plain
+
+
+def forward_backward(experts: RoutedExperts, x: torch.Tensor, idx: torch.Tensor,
+                     upstream: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A run of the experts' forward and backward, as a training step makes them: the gradients of the input and
+    of the three stacks, flattened into one tensor (for the check that both ways agree)."""
+    def run() -> torch.Tensor:
+        with torch.enable_grad():
+            h = x.detach().requires_grad_()
+            (experts(h, idx) * upstream).sum().backward()
+        grads = torch.cat([g.flatten() for g in (h.grad, experts.gate_proj.grad, experts.up_proj.grad,
+                                                 experts.down_proj.grad)])
+        experts.zero_grad(set_to_none=True)
+        return grads
+    return run
 
 
 def per_group(experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -79,6 +106,8 @@ def main() -> None:
                     lambda: torch.matmul(weights.unsqueeze(-2), slots).squeeze(-2)),
         "routed experts": (lambda: per_group(moe.experts, x, idx), lambda: single(x, idx)),
         "expert pairs": (lambda: single(x, idx), lambda: moe.experts(x, idx)),
+        "pairs, training": (forward_backward(sliced_per_group(moe.experts), x, idx, slots),
+                            forward_backward(moe.experts, x, idx, slots)),
     }
     for name, (old, new) in pairs.items():
         torch.testing.assert_close(old(), new(), rtol=1e-5, atol=1e-6, msg=f"{name}: the two ways differ")
