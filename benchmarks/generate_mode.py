@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -25,11 +26,12 @@ from .vs_hf import BENCH, table
 
 
 def bench_model() -> k2lab.K2Model:
+    """The benchmark config with seeded random weights."""
     torch.manual_seed(0)
     return k2lab.K2Model(BENCH).eval()
 
 
-def generate_calls(model: k2lab.K2Model, new: int) -> dict[str, object]:
+def generate_calls(model: k2lab.K2Model, new: int) -> dict[str, Callable[[], torch.Tensor]]:
     """One generate call each way, from the same 8-token prompt, checked to give the same tokens."""
     prompt = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
 
@@ -45,7 +47,7 @@ def generate_calls(model: k2lab.K2Model, new: int) -> dict[str, object]:
     return {"inference mode": inference, "no_grad": no_grad}
 
 
-def decode_steps(model: k2lab.K2Model, context: int) -> dict[str, object]:
+def decode_steps(model: k2lab.K2Model, context: int) -> dict[str, Callable[[], torch.Tensor]]:
     """One decode step at ``context`` cached tokens in each mode (the model's call, as generate's loop makes it)."""
     gen = torch.Generator().manual_seed(0)
     cache = model.new_cache(1)
