@@ -32,10 +32,12 @@ def split_count(out_features: int, threads: int) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T -> [..., out], as F.linear without a bias; few-row products on the CPU run
     one block of weight rows per thread (``split_count`` blocks). Equal to F.linear to float32 rounding."""
+    if torch.compiler.is_compiling():  # first: torch.get_num_threads() would break a compiled graph here
+        return F.linear(x, weight)
     threads = torch.get_num_threads()
     rows = x.numel() // max(x.shape[-1], 1)
     if (threads == 1 or rows > SPLIT_MAX_ROWS or x.device.type != "cpu" or not weight.is_contiguous()
-            or x.shape[-1] != weight.shape[-1] or torch.compiler.is_compiling()):
+            or x.shape[-1] != weight.shape[-1]):
         return F.linear(x, weight)  # and F.linear names a width mismatch
     out_features, in_features = weight.shape
     n = split_count(out_features, threads)

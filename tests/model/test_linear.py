@@ -115,3 +115,13 @@ def test_decode_at_two_threads_matches_hf(two_threads, tmp_path):
         cache.crop(8)
         steps = [ours(ids[:, t : t + 1], cache=cache) for t in range(8, 12)]
     assert relative_error(torch.cat(steps, dim=1), expected) < 1e-5
+
+
+def test_a_compiled_caller_traces_linear_as_one_graph(two_threads):
+    """Under torch.compile linear is F.linear, decided before anything a trace cannot follow (the thread count), so a
+    compiled training step keeps each projection inside its graph."""
+    import torch._dynamo
+
+    weight = _random(128, 64)
+    explained = torch._dynamo.explain(lambda t: linear(t, weight).relu())(_random(4, 64, seed=1))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
