@@ -15,7 +15,8 @@ reported, and the load average is printed with them.
   ``past_key_values``), cropped back after every step so each timed step sees the same context. HF expands
   the cached latents for the whole context every step; k2lab's absorbed path attends over them directly. Also
   k2lab's step as ``k2lab.generate`` runs it, in inference mode (HF's generate runs its steps under no_grad, as
-  the plain calls here do); the targets are judged on the plain calls.
+  the plain calls here do), and as ``generate(compile=True)`` runs it: the model under ``torch.compile`` (compiled
+  in the untimed first round at each thread count, its logits checked against the eager step's first).
 - roofline: a decode step must read the active weights (attention, dense/shared/router, k experts per MoE
   layer, the head) and the cache; divided by the measured copy bandwidth that is the fastest possible step.
 - GEMV ceiling: the same matrices read by bare matrix-vector products, one call each and no model logic around
@@ -126,14 +127,15 @@ def prefill_flops(cfg: K2Config, tokens: int) -> float:
 def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[str, Callable[[], object]]:
     """One decode step at ``context`` cached tokens through each side's cache, cropped back after every step so
     each timed step sees the same context: HF, k2lab's default call (auto picks absorbed), k2lab naive, k2lab's
-    default call in inference mode (as ``k2lab.generate`` runs its steps; HF's generate runs under no_grad), the same
-    step hand-written with the fewest eager ops (``benchmarks.eager_floor``, checked against the model's logits
-    first), and bare GEMVs over the step's matrices (F.linear, and k2lab's ``linear``)."""
+    default call in inference mode (as ``k2lab.generate`` runs its steps; HF's generate runs under no_grad), the
+    model compiled (as ``generate(compile=True)`` runs its steps), the same step hand-written with the fewest eager
+    ops (``benchmarks.eager_floor``), and bare GEMVs over the step's matrices (F.linear, and k2lab's ``linear``). The
+    compiled and hand-written steps are checked against the model's logits first."""
     vocab = ours.config.vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=generator)
     step = torch.randint(0, vocab, (1, 1), generator=generator)
     hf_cache = ref(prompt, use_cache=True).past_key_values
-    caches = {impl: ours.new_cache(1) for impl in ("auto", "naive")}
+    caches = {impl: ours.new_cache(1, capacity=context + 1) for impl in ("auto", "naive", "compiled")}
     for cache in caches.values():
         ours(prompt, cache=cache)
 
@@ -149,17 +151,26 @@ def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[st
         with torch.inference_mode():
             our_step("auto")
 
+    compiled = torch.compile(ours, dynamic=True)
+
+    def compiled_step():  # as generate(compile=True) runs a step
+        with torch.inference_mode():
+            logits = compiled(step, cache=caches["compiled"])
+        caches["compiled"].crop(context)
+        return logits
+
     token = int(step[0, 0])
     expected = ours(step, cache=caches["auto"])[0]  # [1, V]
     caches["auto"].crop(context)
-    floor = minimal_decode_step(ours, caches["auto"], token)
-    if not torch.allclose(floor, expected, atol=1e-4, rtol=0):
-        raise AssertionError(f"the eager-floor step's logits differ from the model's by "
-                             f"{(floor - expected).abs().max():.2e}: it no longer computes the same step")
+    for name, logits in (("eager-floor", minimal_decode_step(ours, caches["auto"], token)),
+                         ("compiled", compiled_step()[0])):
+        if not torch.allclose(logits, expected, atol=1e-4, rtol=0):
+            raise AssertionError(f"the {name} step's logits differ from the model's by "
+                                 f"{(logits - expected).abs().max():.2e}: it no longer computes the same step")
 
     matrices = decode_matrices(ours.config, context)
     return {"hf": hf_step, "k2lab": lambda: our_step("auto"), "naive": lambda: our_step("naive"),
-            "generate": generate_step,
+            "generate": generate_step, "compiled": compiled_step,
             "floor": lambda: minimal_decode_step(ours, caches["auto"], token),
             "gemv": weight_reads(F.linear, matrices)[0], "gemv split": weight_reads(linear, matrices)[0]}
 
@@ -225,10 +236,11 @@ def main() -> None:
               [" / ".join(f"{prefill[name, n] * 1e3:.0f}" for name in ("hf", "k2lab", "naive", "absorbed", "kernels"))
                for n in threads])]
     for context, t in decode.items():
-        times.append((f"decode at {context}: HF / default / naive / default in inference mode / eager floor / bare "
-                      "GEMVs, F.linear and split (ms)", "",
-                      [" / ".join(f"{t[name, n] * 1e3:.1f}" for name in ("hf", "k2lab", "naive", "generate", "floor",
-                                                                        "gemv", "gemv split")) for n in threads]))
+        times.append((f"decode at {context}: HF / default / naive / default in inference mode / compiled / eager "
+                      "floor / bare GEMVs, F.linear and split (ms)", "",
+                      [" / ".join(f"{t[name, n] * 1e3:.1f}" for name in ("hf", "k2lab", "naive", "generate", "compiled",
+                                                                        "floor", "gemv", "gemv split"))
+                       for n in threads]))
     bandwidth = {n: 2 * COPY_BYTES / prefill["copy", n] for n in threads}
     for context in decode:
         times.append((f"decode at {context}: bytes read / copy bandwidth (ms floor)", "",
@@ -251,8 +263,13 @@ def main() -> None:
         rows.append((f"decode at {context} vs HF, k2lab's step as generate runs it (inference mode)", "",
                      cells(lambda n, t=t: t["hf", n] / t["generate", n], ".2f")))
     for context, t in decode.items():
+        rows.append((f"decode at {context} vs HF, compiled step (generate(compile=True))", "",
+                     cells(lambda n, t=t: t["hf", n] / t["compiled", n], ".2f")))
+    for context, t in decode.items():
         rows.append((f"decode at {context}: bare-GEMV ceiling / k2lab step", ">= 80%",
                      cells(lambda n, t=t: t["ceiling", n] / t["k2lab", n], ".0%")))
+        rows.append((f"decode at {context}: bare-GEMV ceiling / compiled step", "",
+                     cells(lambda n, t=t: t["ceiling", n] / t["compiled", n], ".0%")))
     for context, t in decode.items():  # what no eager implementation of the step can beat on this machine
         rows.append((f"decode at {context}: bare-GEMV ceiling / eager-floor step", "",
                      cells(lambda n, t=t: t["ceiling", n] / t["floor", n], ".0%")))
@@ -261,14 +278,16 @@ def main() -> None:
     first, last = args.contexts[0], args.contexts[-1]
     rows.append((f"decode step at {last} / at {first} context (flat in context)", "",
                  cells(lambda n: decode[last]["k2lab", n] / decode[first]["k2lab", n], ".2f")))
+    rows.append((f"compiled step at {last} / at {first} context", "",
+                 cells(lambda n: decode[last]["compiled", n] / decode[first]["compiled", n], ".2f")))
     print("\nratios\n" + table(rows, threads))
 
     if len(threads) > 1:
         one, most = threads[0], threads[-1]
         scaling = [(f"decode step at {c}, k2lab", "<= 0.8", f"{t['k2lab', most] / t['k2lab', one]:.2f}")
                    for c, t in decode.items()]
-        scaling += [(f"decode at {c}, eager floor", "", f"{t['floor', most] / t['floor', one]:.2f}")
-                    for c, t in decode.items()]
+        scaling += [(f"decode at {c}, {how}", "", f"{t[name, most] / t[name, one]:.2f}") for c, t in decode.items()
+                    for name, how in (("compiled", "compiled step"), ("floor", "eager floor"))]
         scaling += [(f"decode at {c}, bare GEMVs over the same matrices, {how}", "",
                      f"{t[name, most] / t[name, one]:.2f}") for c, t in decode.items()
                     for name, how in (("gemv", "F.linear"), ("gemv split", "split"))]

@@ -58,11 +58,16 @@ class LatentCache:
     """The latent KV cache: per layer, [B, S, C + R] = c_KV (512) then rotated k_pe (64) for every token.
 
     Passed to the model's forward (state is explicit). Storage grows by doubling, so appending a decode step
-    writes 576 values per layer instead of copying the context.
+    writes 576 values per layer instead of copying the context. ``capacity`` reserves storage for that many
+    positions up front: a compiled decode step then never grows it inside its graph (``k2lab.generate`` reserves
+    the prompt plus the new tokens).
     """
 
     def __init__(self, cfg: K2Config, batch_size: int, dtype: torch.dtype,
-                 device: torch.device | str | Sequence[torch.device | str], num_layers: int | None = None):
+                 device: torch.device | str | Sequence[torch.device | str], num_layers: int | None = None,
+                 capacity: int = 0):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be a whole number of positions >= 0, got {capacity!r}")
         self.kv_lora_rank = cfg.kv_lora_rank
         self.width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         self.batch_size = batch_size
@@ -73,7 +78,7 @@ class LatentCache:
         self.max_positions = cfg.max_position_embeddings
         self.length = 0  # positions already cached; new tokens continue from here
         self.token_mask: torch.Tensor | None = None  # [B, >= length] bool: real tokens (not pads); None: all real
-        self._buffers: list[torch.Tensor] = [self._storage(0, d) for d in devices]
+        self._buffers: list[torch.Tensor] = [self._storage(min(capacity, self.max_positions), d) for d in devices]
 
     def _storage(self, positions: int, device: torch.device | str) -> torch.Tensor:
         """An empty buffer [B, positions, C + R]. Always an ordinary tensor, also when made in inference mode (as

@@ -73,7 +73,7 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              eos_token_id: int | None = None, attn_impl: AttnImpl = "auto",
              tokenizer: K2Tokenizer | None = None, token_healing: bool = False,
-             attention_mask: torch.Tensor | None = None) -> torch.Tensor | str | list[str]:
+             attention_mask: torch.Tensor | None = None, compile: bool = False) -> torch.Tensor | str | list[str]:
     """Continue ``input_ids`` [B, T] by up to ``max_new_tokens`` tokens -> [B, T + n], n <= max_new_tokens.
 
     Greedy when ``temperature`` is 0; otherwise samples from softmax(logits / temperature) restricted by
@@ -97,8 +97,24 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     PyTorch's could see the model's tensors, such as a hook on a probe or module, or a module of another class
     spliced in (``model.is_observed()``); then under ``torch.no_grad``, so that what such code keeps stays ordinary
     tensors that autograd can use later. The result is an ordinary tensor either way.
+
+    ``compile=True`` runs the decode steps through ``torch.compile`` (the prefill stays eager): the whole step is
+    one graph whose small ops inductor fuses into a few kernels, and whose experts are read by index inside them.
+    The first step compiles (tens of seconds on a CPU, again for each new thread count); after that a step of the
+    benchmark model takes about 0.6x the eager one on this project's 2-core machine (docs/speed.md, "The compiled
+    decode step"). The tokens equal eager generation's up to float32 rounding of near-ties. Hooks cannot run
+    inside a compiled graph, so it refuses a model with anything attached (``model.is_observed()``). Needs a C++
+    compiler on the CPU, as ``torch.compile`` does.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be True or False, got {compile!r}")
+    if compile and not isinstance(model, K2Model):
+        raise ValueError(f"compile=True compiles a K2Model's decode step; this model is a {type(model).__name__}")
+    if compile and model.is_observed():
+        raise ValueError("compile=True runs each decode step as one compiled graph, where hooks, wrappers and "
+                         "spliced modules cannot run, and something is attached to this model (model.is_observed()): "
+                         "detach it (model.reset_hooks() for k2lab's hooks) or generate without compile")
     text = input_ids if isinstance(input_ids, str) or (isinstance(input_ids, list | tuple) and input_ids
                                                         and all(isinstance(t, str) for t in input_ids)) else None
     if text is not None:
@@ -138,15 +154,18 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     observed = not isinstance(model, HookedModule) or model.is_observed()
     with torch.no_grad() if observed else torch.inference_mode():
         B, T = ids.shape
-        cache = model.new_cache(B)
+        # A compiled step must not grow the cache inside its graph: storage for every position is reserved first.
+        cache = model.new_cache(B, capacity=T + max_new_tokens) if compile else model.new_cache(B)
+        step = torch.compile(model, dynamic=True) if compile else model  # dynamic: one graph for every cache length
         done = torch.zeros(B, dtype=torch.bool, device=ids.device)
         # Where each row's next token is read: its last real token at prefill (pads may follow it), then the new one.
         last = torch.full((B,), T - 1, device=ids.device)
         if mask is not None:
             last = T - 1 - mask.flip(-1).int().argmax(-1)  # [B]
         out, step_input, step_mask = [ids], ids, mask  # the cache remembers the pads after the prefill
-        for _ in range(max_new_tokens):
-            logits = model(step_input, cache=cache, attn_impl=attn_impl, attention_mask=step_mask)  # [B, T', V]
+        for i in range(max_new_tokens):
+            forward = step if i > 0 else model  # the prefill runs eager: its products are large, its shapes vary
+            logits = forward(step_input, cache=cache, attn_impl=attn_impl, attention_mask=step_mask)  # [B, T', V]
             logits = logits[torch.arange(B, device=ids.device), last]  # [B, V]
             if allowed is not None:
                 logits, allowed = logits.masked_fill(~allowed, float("-inf")), None

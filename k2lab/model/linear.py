@@ -10,8 +10,6 @@ benchmarks.split_gemv``). Everything else (many rows, one thread, GPUs, small we
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,19 +20,25 @@ SPLIT_MAX_ROWS = 16
 SPLIT_MIN_BLOCK = 1 << 16
 
 
-@functools.lru_cache(maxsize=256)
 def split_count(out_features: int, threads: int) -> int:
     """Into how many equal blocks of rows to cut a weight of ``out_features`` rows for ``threads`` threads: the
     most, up to ``threads``, that divide it evenly (a bmm needs equal blocks); 1 means not at all."""
     return next(n for n in range(threads, 0, -1) if out_features % n == 0)
 
 
+@torch.compiler.assume_constant_result
+def thread_count() -> int:
+    """torch's thread count. torch.compile reads it once while tracing and bakes it into the graph instead of breaking
+    the graph at every product; that is sound because a compiled graph is guarded on the thread count (PyTorch's
+    global state guard), so a change of threads recompiles."""
+    return torch.get_num_threads()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T -> [..., out], as F.linear without a bias; few-row products on the CPU run
-    one block of weight rows per thread (``split_count`` blocks). Equal to F.linear to float32 rounding."""
-    if torch.compiler.is_compiling():  # first: torch.get_num_threads() would break a compiled graph here
-        return F.linear(x, weight)
-    threads = torch.get_num_threads()
+    one block of weight rows per thread (``split_count`` blocks), also inside a compiled graph. Equal to F.linear to
+    float32 rounding."""
+    threads = thread_count()
     rows = x.numel() // max(x.shape[-1], 1)
     if (threads == 1 or rows > SPLIT_MAX_ROWS or x.device.type != "cpu" or not weight.is_contiguous()
             or x.shape[-1] != weight.shape[-1]):

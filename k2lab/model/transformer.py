@@ -114,10 +114,12 @@ class K2Model(HookedModule):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def new_cache(self, batch_size: int = 1) -> LatentCache:
-        """An empty latent KV cache for this model (576 values per token per layer for K2)."""
+    def new_cache(self, batch_size: int = 1, capacity: int = 0) -> LatentCache:
+        """An empty latent KV cache for this model (576 values per token per layer for K2), with storage for
+        ``capacity`` positions reserved (it grows past them by doubling)."""
         devices = [layer.input_layernorm.weight.device for layer in self.layers]  # per block, for a device_map
-        return LatentCache(self.config, batch_size, self.dtype, devices, num_layers=len(self.layers))
+        return LatentCache(self.config, batch_size, self.dtype, devices, num_layers=len(self.layers),
+                           capacity=capacity)
 
     def forward(self, input_ids: TextOrIds, cache: LatentCache | None = None, attn_impl: AttnImpl = "auto", *,
                 attention_mask: torch.Tensor | None = None, return_type: ReturnType = "logits",

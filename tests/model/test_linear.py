@@ -118,10 +118,33 @@ def test_decode_at_two_threads_matches_hf(two_threads, tmp_path):
 
 
 def test_a_compiled_caller_traces_linear_as_one_graph(two_threads):
-    """Under torch.compile linear is F.linear, decided before anything a trace cannot follow (the thread count), so a
-    compiled training step keeps each projection inside its graph."""
+    """Under torch.compile the thread count is read once while tracing (``thread_count``), so a compiled training step
+    keeps each projection inside its graph instead of breaking it at every one."""
     import torch._dynamo
 
     weight = _random(128, 64)
     explained = torch._dynamo.explain(lambda t: linear(t, weight).relu())(_random(4, 64, seed=1))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+def test_compiled_few_row_products_split_and_recompile_when_the_threads_change(two_threads):
+    """A compiled decode step keeps the split (its product is a bmm over the blocks inside the graph); the thread
+    count is guarded, so the same compiled function run at one thread is traced again, unsplit, and both give
+    F.linear's result."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    weight = _random(4096, 256, seed=1)
+    backend = CompileCounterWithBackend("eager")
+    product = torch.compile(lambda t: linear(t, weight), backend=backend)
+    x = _random(1, 256)
+    at_two = product(x)
+    assert backend.frame_count == 1
+    assert "torch.bmm" in str(backend.graphs[0].code)
+    torch.set_num_threads(1)
+    at_one = product(x)
+    assert backend.frame_count == 2
+    assert "bmm" not in str(backend.graphs[1].code)
+    for out in (at_two, at_one):
+        assert relative_error(out, F.linear(x.double(), weight.double())) < 1e-6

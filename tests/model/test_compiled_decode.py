@@ -1,0 +1,138 @@
+"""The compiled decode step (``generate(compile=True)``, or ``torch.compile(model, dynamic=True)`` over a cache with
+reserved storage): one graph for every cache length, with no graph break; HF's logits; eager generation's tokens;
+and a refusal where hooks could not run. Each compile of the tiny model costs CI tens of seconds, so the graphs are
+shared: every single-row step below reuses the first one."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from hf_oracle import hf_model, relative_error, save_and_load
+from tiny import TINY, random_model, token_ids
+from torch._dynamo.utils import counters
+
+import k2lab
+from k2lab.model.moe import RoutedExperts
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """HF's DeepseekV3 and k2lab's model on the same weights; dynamo's caches and counters start empty."""
+    torch._dynamo.reset()
+    counters.clear()
+    ref = hf_model(TINY, seed=11)
+    return ref, save_and_load(ref, tmp_path_factory.mktemp("compiled"))
+
+
+def graphs() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) since the fixture reset dynamo."""
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+@torch.inference_mode()
+def test_compiled_decode_steps_give_hf_logits_from_one_graph(pair):
+    """Eight tokens of prefill (eager), then four compiled steps at growing cache lengths: HF's logits over the whole
+    sequence, from one graph compiled once, without a break."""
+    ref, ours = pair
+    ids = token_ids(TINY, batch=1, length=12, seed=4)
+    expected = ref(ids).logits[:, 8:]  # [1, 4, V]
+    cache = ours.new_cache(1, capacity=12)
+    ours(ids[:, :8], cache=cache)
+    compiled = torch.compile(ours, dynamic=True)
+    # Called as generate calls it (a [1, 1] token with unit strides, the same keywords), so that its steps find this
+    # graph (dynamo would otherwise tie the cache capacity to the strides of a slice of a 12-token row).
+    steps = [compiled(ids[0, t].view(1, 1), cache=cache, attn_impl="auto", attention_mask=None)
+             for t in range(8, 12)]
+    assert cache.length == 12
+    assert relative_error(torch.cat(steps, dim=1), expected) < 1e-5
+    assert graphs() == (1, 0)
+
+
+def test_generate_compiled_gives_eager_tokens_and_reuses_the_graph(pair):
+    _, ours = pair
+    ids = token_ids(TINY, batch=1, length=9, seed=5)
+    before = graphs()
+    compiled = k2lab.generate(ours, ids, 6, compile=True)
+    assert torch.equal(compiled, k2lab.generate(ours, ids, 6))
+    assert not compiled.is_inference()
+    assert graphs() == before  # the same shapes as the steps above: nothing compiled again
+
+
+def test_generate_compiled_on_a_padded_batch_gives_eager_tokens(pair):
+    """Two rows, one left-padded: the cache's pad mask enters the compiled graph (a second graph, for two rows)."""
+    _, ours = pair
+    ids = token_ids(TINY, batch=2, length=9, seed=6)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    eager = k2lab.generate(ours, ids, 5, attention_mask=mask)
+    assert torch.equal(k2lab.generate(ours, ids, 5, attention_mask=mask, compile=True), eager)
+    assert graphs()[1] == 0
+
+
+def test_compile_refuses_an_observed_model_and_bad_values():
+    model = random_model(TINY, seed=2)
+    ids = token_ids(TINY, batch=1, length=4)
+    with model.hooks(fwd_hooks=[("hook_resid_post", lambda t, hook: None)]):
+        with pytest.raises(ValueError, match="something is attached to this model"):
+            k2lab.generate(model, ids, 2, compile=True)
+    handle = model.layers[0].mlp.register_forward_hook(lambda *args: None)
+    with pytest.raises(ValueError, match="model.is_observed"):
+        k2lab.generate(model, ids, 2, compile=True)
+    handle.remove()
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        k2lab.generate(model, ids, 2, compile="yes")
+    with pytest.raises(ValueError, match="compiles a K2Model's decode step"):
+        k2lab.generate(torch.nn.Identity(), ids, 2, compile=True)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_indexed_experts_equal_the_eager_dispatch(tokens):
+    """The compiled graph's expert path (matrices read by index) against the eager dispatch by expert, run eagerly
+    here on the same routing: outputs and gradients agree to float32 rounding."""
+    experts = random_model(TINY, seed=3).layers[1].mlp.experts
+    x = torch.randn(tokens, TINY.hidden_size, generator=torch.Generator().manual_seed(0))
+    idx = torch.stack([torch.randperm(TINY.n_routed_experts, generator=torch.Generator().manual_seed(t))
+                       [: TINY.num_experts_per_tok] for t in range(tokens)])  # [N, k] distinct per token
+    outs = []
+    for run in (experts.indexed, experts.dispatch):
+        experts.zero_grad(set_to_none=True)
+        out = run(x, idx)  # [N, k, D]
+        out.square().sum().backward()
+        outs.append((out.detach(), experts.gate_proj.grad, experts.down_proj.grad))
+    for indexed, dispatched in zip(*outs, strict=True):
+        assert relative_error(indexed, dispatched) < 1e-5
+
+
+@pytest.mark.parametrize(("pairs_in_place", "tokens", "expected"),
+                         [(True, 1, "indexed"), (True, 64, "dispatch"), (False, 1, "dispatch")])
+def test_under_compile_only_few_tokens_of_in_place_experts_are_read_by_index(pairs_in_place, tokens, expected):
+    """More slots than experts (a compiled training step) keep the eager dispatch, and so do experts made per use
+    (streamed, quantized: ``pairs_in_place`` False), whose matrices are no stacks to index."""
+    experts = random_model(TINY, seed=3).layers[1].mlp.experts
+    experts.pairs_in_place = pairs_in_place
+    x = torch.randn(tokens, TINY.hidden_size)
+    idx = torch.randint(0, TINY.n_routed_experts, (tokens, TINY.num_experts_per_tok))
+    called = []
+    with mock.patch("torch.compiler.is_compiling", return_value=True), \
+            mock.patch.object(RoutedExperts, "indexed", side_effect=lambda *a: called.append("indexed")), \
+            mock.patch.object(RoutedExperts, "dispatch", side_effect=lambda *a: called.append("dispatch")):
+        experts(x, idx)
+    assert called == [expected]
+
+
+def test_a_cache_reserves_its_capacity_and_names_a_bad_one():
+    model = random_model(TINY, seed=2)
+    cache = model.new_cache(1, capacity=10)
+    storage = [buf.data_ptr() for buf in cache._buffers]
+    with torch.no_grad():
+        model(token_ids(TINY, batch=1, length=6), cache=cache)
+        for t in range(4):
+            model(token_ids(TINY, batch=1, length=1, seed=t), cache=cache)
+    assert cache.length == 10
+    assert [buf.data_ptr() for buf in cache._buffers] == storage  # written in place, never grown
+    assert model.new_cache(1, capacity=10**9)._buffers[0].shape[1] == TINY.max_position_embeddings
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="capacity must be a whole number"):
+            model.new_cache(1, capacity=bad)
