@@ -31,6 +31,7 @@ def graphs() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+@pytest.mark.slow  # compiles
 @torch.inference_mode()
 def test_compiled_decode_steps_give_hf_logits_from_one_graph(pair):
     """Eight tokens of prefill (eager), then four compiled steps at growing cache lengths: HF's logits over the whole
@@ -50,6 +51,7 @@ def test_compiled_decode_steps_give_hf_logits_from_one_graph(pair):
     assert graphs() == (1, 0)
 
 
+@pytest.mark.slow  # compiles
 def test_generate_compiled_gives_eager_tokens_and_reuses_the_graph(pair):
     _, ours = pair
     ids = token_ids(TINY, batch=1, length=9, seed=5)
@@ -60,6 +62,7 @@ def test_generate_compiled_gives_eager_tokens_and_reuses_the_graph(pair):
     assert graphs() == before  # the same shapes as the steps above: nothing compiled again
 
 
+@pytest.mark.slow  # compiles
 def test_generate_compiled_on_a_padded_batch_gives_eager_tokens(pair):
     """Two rows, one left-padded: the cache's pad mask enters the compiled graph (a second graph, for two rows)."""
     _, ours = pair
