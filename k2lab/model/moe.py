@@ -215,15 +215,16 @@ class RoutedExperts(nn.Module):
     def indexed(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The few-token case inside a compiled graph (a compiled decode step): every slot's SwiGLU over its expert's
         matrices read by index, x [N, D], idx [N, k] -> [N, k, D]. Eagerly, ``gate_proj[idx]`` would copy the
-        chosen matrices first (three times the bytes, docs/speed.md); compiled, the indexing and the product fuse
-        into one kernel that reads each chosen matrix in place, with no sync to name the experts in Python. Used
+        chosen matrices first (three times the bytes, docs/speed.md); compiled, the indexing and the products fuse
+        into kernels that read each chosen matrix in place, with no sync to name the experts in Python. Used
         while at most as many slots as experts, so that no more matrices are read than the stacks hold."""
         gate, up = self.gate_proj[idx], self.up_proj[idx]  # [N, k, I, D]
         h = F.silu(torch.einsum("nd,nkid->nki", x, gate)) * torch.einsum("nd,nkid->nki", x, up)  # [N, k, I]
         return torch.einsum("nki,nkdi->nkd", h, self.down_proj[idx])  # [N, k, D]
 
     # Which experts run, and on how many tokens, is data: torch.compile would specialise on it and recompile
-    # every step. Compiled models (the training run) call this eagerly and fuse the dense code around it.
+    # every step. Compiled models with many tokens (the training run) call this eagerly and fuse the dense code
+    # around it; a compiled decode step reads its few tokens' experts by index instead (``indexed``).
     @torch.compiler.disable
     def dispatch(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Eager dispatch by expert: x [N, D], idx [N, k] -> each slot's expert output [N, k, D]."""
