@@ -101,7 +101,7 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     ``compile=True`` runs the decode steps through ``torch.compile`` (the prefill stays eager): the whole step is
     one graph whose small ops inductor fuses into a few kernels, and whose experts are read by index inside them.
     The first step compiles (tens of seconds on a CPU, again for each new thread count); after that a step of the
-    benchmark model takes about 0.6x the eager one on this project's 2-core machine (docs/speed.md, "The compiled
+    benchmark model takes about half the eager one on this project's 2-core machine (docs/speed.md, "The compiled
     decode step"). The tokens equal eager generation's up to float32 rounding of near-ties. Hooks cannot run
     inside a compiled graph, so it refuses a model with anything attached (``model.is_observed()``). Needs a C++
     compiler on the CPU, as ``torch.compile`` does.
@@ -111,10 +111,6 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
         raise ValueError(f"compile must be True or False, got {compile!r}")
     if compile and not isinstance(model, K2Model):
         raise ValueError(f"compile=True compiles a K2Model's decode step; this model is a {type(model).__name__}")
-    if compile and model.is_observed():
-        raise ValueError("compile=True runs each decode step as one compiled graph, where hooks, wrappers and "
-                         "spliced modules cannot run, and something is attached to this model (model.is_observed()): "
-                         "detach it (model.reset_hooks() for k2lab's hooks) or generate without compile")
     text = input_ids if isinstance(input_ids, str) or (isinstance(input_ids, list | tuple) and input_ids
                                                         and all(isinstance(t, str) for t in input_ids)) else None
     if text is not None:
@@ -152,6 +148,10 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     # tensors can never enter autograd, so it is used only when no code but k2lab's and PyTorch's could keep one
     # (model.is_observed()); the result is made outside it.
     observed = not isinstance(model, HookedModule) or model.is_observed()
+    if compile and observed:
+        raise ValueError("compile=True runs each decode step as one compiled graph, where hooks, wrappers and "
+                         "spliced modules cannot run, and something is attached to this model (model.is_observed()): "
+                         "detach it (model.reset_hooks() for k2lab's hooks) or generate without compile")
     with torch.no_grad() if observed else torch.inference_mode():
         B, T = ids.shape
         # A compiled step must not grow the cache inside its graph: storage for every position is reserved first.
