@@ -9,7 +9,7 @@ import torch
 
 from .attention import AttnImpl
 from .hooks import HookedModule
-from .transformer import K2Model
+from .transformer import K2Model, is_text
 
 if TYPE_CHECKING:
     from ..tokenizer.tokenizer import K2Tokenizer
@@ -111,8 +111,7 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
         raise ValueError(f"compile must be True or False, got {compile!r}")
     if compile and not isinstance(model, K2Model):
         raise ValueError(f"compile=True compiles a K2Model's decode step; this model is a {type(model).__name__}")
-    text = input_ids if isinstance(input_ids, str) or (isinstance(input_ids, list | tuple) and input_ids
-                                                        and all(isinstance(t, str) for t in input_ids)) else None
+    text = input_ids if is_text(input_ids) else None
     if text is not None:
         if attention_mask is not None:
             raise ValueError("attention_mask is made by the tokenizer for text input; pass ids to give your own")

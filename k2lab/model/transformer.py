@@ -238,9 +238,7 @@ class K2Model(HookedModule):
     def _ids_and_mask(self, input_ids: TextOrIds, attention_mask: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Text through the tokenizer (a list left-padded, with its mask); ids and the given mask as they are."""
-        is_text = isinstance(input_ids, str) or (isinstance(input_ids, list | tuple) and len(input_ids) > 0
-                                                 and all(isinstance(t, str) for t in input_ids))
-        if not is_text:
+        if not is_text(input_ids):
             try:
                 ids = torch.as_tensor(input_ids)
             except (TypeError, ValueError, RuntimeError):
@@ -305,6 +303,12 @@ class K2Model(HookedModule):
             raise ValueError(f"cache holds {len(cache._buffers)} layers of {cache.width} {cache.dtype} values per "
                              f"token, but this model needs {layers} layers of {width} {self.dtype}: another model "
                              f"made it; use model.new_cache(batch_size)")
+
+
+def is_text(value: object) -> bool:
+    """Whether a model input is text: a string, or a non-empty list or tuple of strings (a batch)."""
+    return isinstance(value, str) or (isinstance(value, list | tuple) and len(value) > 0
+                                      and all(isinstance(t, str) for t in value))
 
 
 def rotary_and_mask(rope: RotaryEmbedding, attention_mask: torch.Tensor | None, cache: LatentCache | None,
