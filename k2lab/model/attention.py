@@ -238,7 +238,10 @@ class MultiHeadLatentAttention(nn.Module):
         pad = q.shape[-1] - self.v_dim if q.device.type == "cpu" else 0
         out = F.scaled_dot_product_attention(
             q, k, F.pad(v, (0, pad)) if pad > 0 else v, scale=self.softmax_scale,
-            attn_mask=None if T == S and attn_mask is None else mask, is_causal=T == S and T > 1 and attn_mask is None,
+            attn_mask=None if T == S and attn_mask is None else mask,
+            # A branch, not the comparison's value: where T and S are symbols (a compiled graph), the comparison is a
+            # symbolic bool, which SDPA refuses, and a branch makes the trace decide it.
+            is_causal=True if T == S and T > 1 and attn_mask is None else False,
         )
         return out[..., : self.v_dim].transpose(1, 2)  # [B, T, H, V]
 

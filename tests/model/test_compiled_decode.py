@@ -74,6 +74,30 @@ def test_generate_compiled_on_a_padded_batch_gives_eager_tokens(pair):
     assert graphs()[1] == 0
 
 
+@pytest.mark.parametrize("attn_impl", ["absorbed", "naive"])
+def test_every_decode_path_traces_as_one_graph_for_all_cache_lengths(attn_impl):
+    """Traced only (dynamo with the eager backend, no inductor: seconds, not a compile): a decode step of either
+    attention path is one graph without a break, reused as the cache grows, and gives the eager model's logits."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = random_model(TINY, seed=2)
+    ids = token_ids(TINY, batch=1, length=10, seed=7)
+    backend = CompileCounterWithBackend("eager")
+    traced = torch.compile(model, dynamic=True, backend=backend)
+    breaks = sum(counters["graph_break"].values())
+    caches = [model.new_cache(1, capacity=10) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            model(ids[:, :6], cache=cache)
+        for t in range(6, 10):
+            step = ids[0, t].view(1, 1)
+            expected = model(step, cache=caches[0], attn_impl=attn_impl)
+            got = traced(step, cache=caches[1], attn_impl=attn_impl)
+            assert relative_error(got, expected) < 1e-5
+    assert backend.frame_count == 1
+    assert sum(counters["graph_break"].values()) == breaks
+
+
 def test_compile_refuses_an_observed_model_and_bad_values():
     model = random_model(TINY, seed=2)
     ids = token_ids(TINY, batch=1, length=4)
