@@ -6,6 +6,9 @@ Markers: ``slow`` marks the long training checks (CI runs them; ``-m "not slow"`
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from tiny import TINY, random_model, token_ids
@@ -30,3 +33,29 @@ def no_grad():
     """Use with ``pytestmark = pytest.mark.usefixtures("no_grad")`` in modules that never backpropagate."""
     with torch.no_grad():
         yield
+
+
+@pytest.fixture
+def hub_repo(tmp_path, monkeypatch):
+    """A stand-in for the Hub, no network: ``hub_repo(folder)`` serves ``folder`` as the remote repo through
+    ``huggingface_hub.hf_hub_download``, which copies each file asked for into a snapshot folder holding only what was
+    fetched (as the Hub cache does) and raises EntryNotFoundError for a file the repo lacks. Returns the list of file
+    names asked for."""
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError
+
+    def serve(remote: Path) -> list[str]:
+        snapshot = tmp_path / "snapshot"
+        snapshot.mkdir()
+        fetched = []
+
+        def hub_download(repo_id, filename, revision=None, **kwargs):
+            fetched.append(filename)
+            if not (remote / filename).is_file():
+                raise EntryNotFoundError(f"{filename} is not in {repo_id}")
+            return str(shutil.copy(remote / filename, snapshot / filename))
+
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", hub_download)
+        return fetched
+
+    return serve

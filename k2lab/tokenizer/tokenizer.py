@@ -31,7 +31,7 @@ from tokenizers.models import BPE
 
 from .chat import chat_segments
 from .ranks import TokenizerFileError, byte_level, load_ranks, recover_merges
-from .template import encode_with_template, find_chat_template
+from .template import TEMPLATE_FILE, encode_with_template, find_chat_template
 
 # Kimi K2's pre-tokenizer (`pat_str` in the release's tokenization_kimi.py): Han runs on their own, then
 # GPT-4-style words, 1-3 digit numbers, punctuation runs, newlines and other whitespace. Letters exclude
@@ -469,6 +469,19 @@ def find_tokenizer_json(path_or_repo_id: str | Path, revision: str | None) -> Pa
     return folder
 
 
+def _fetch_chat_template(repo_id: str, revision: str | None) -> None:
+    """Bring a Hub repo's ``chat_template.jinja`` into the cache beside its tokenizer files, where
+    ``find_chat_template`` looks: K2-Thinking and later K2 revisions ship their chat layout only there. A repo
+    without one (or, offline, a cache without one) leaves nothing; any other failure is raised."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        hf_hub_download(repo_id, TEMPLATE_FILE, revision=revision)
+    except EntryNotFoundError:
+        pass
+
+
 def load_tokenizer(
     path_or_repo_id: str | Path, *, revision: str | None = None, allow_special: bool = True
 ) -> K2Tokenizer:
@@ -477,19 +490,25 @@ def load_tokenizer(
     template the folder ships, if any, lays out ``apply_chat_template``.
 
     `path_or_repo_id` is a local directory or a Hub repo id (e.g. "moonshotai/Kimi-K2-Instruct"); for a
-    repo only those two files are fetched, through the Hub cache, so HF_HUB_OFFLINE=1 works once they are
-    cached. `allow_special` sets the default special-token policy of encode (see K2Tokenizer).
+    repo only those two files (and ``chat_template.jinja`` where the repo ships one) are fetched, through the Hub
+    cache, so HF_HUB_OFFLINE=1 works once they are cached. `allow_special` sets the default special-token policy of
+    encode (see K2Tokenizer).
     """
     if not isinstance(path_or_repo_id, (str, os.PathLike)) or not str(path_or_repo_id):
         raise TypeError(f"path_or_repo_id must be a folder or a Hub repo id, got {path_or_repo_id!r}")
     if not isinstance(allow_special, bool):
         raise TypeError(f"allow_special must be True or False, got {allow_special!r}")
+    from_hub = not Path(path_or_repo_id).expanduser().is_dir()
     tokenizer_json = find_tokenizer_json(path_or_repo_id, revision)
     if tokenizer_json is not None:
         from .tokenizer_json import load_tokenizer_json
 
+        if from_hub:
+            _fetch_chat_template(str(path_or_repo_id), revision)
         return load_tokenizer_json(tokenizer_json, allow_special=allow_special, name=str(path_or_repo_id))
     ranks_path, config_path = _resolve_files(path_or_repo_id, revision)
+    if from_hub:  # the files are there: the repo exists, and its template is fetched beside them
+        _fetch_chat_template(str(path_or_repo_id), revision)
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:

@@ -115,6 +115,20 @@ def test_tokenizer_renders_the_template_it_ships_with(nano_with_template):
     assert tok.special_tokens["<|tool_calls_section_begin|>"] in ids
 
 
+@pytest.mark.parametrize("ships_template", [True, False])
+def test_a_hub_repo_s_template_is_fetched_with_its_tokenizer(tmp_path, hub_repo, ships_template):
+    """From a repo id the tokenizer files come one by one into a snapshot folder that holds only what was fetched.
+    chat_template.jinja must be fetched too, or a K2-Thinking tokenizer loaded from the Hub would lay chats out in
+    Instruct's hand-written form; a repo without one loads as before."""
+    remote = Path(shutil.copytree(NANO_DIR, tmp_path / "remote"))
+    if ships_template:
+        (remote / TEMPLATE_FILE).write_text(THINKING)
+    fetched = hub_repo(remote)
+    tok = k2lab.load_tokenizer("moonshotai/Kimi-K2-Thinking")
+    assert TEMPLATE_FILE in fetched
+    assert tok.chat_template == (THINKING if ships_template else None)
+
+
 def test_without_a_template_the_hand_written_layout_is_used():
     tok = k2lab.load_tokenizer(NANO_DIR)
     assert tok.chat_template is None

@@ -4,12 +4,15 @@ own Tokenizer and HF transformers' PreTrainedTokenizerFast (chat template includ
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import k2lab
 from k2lab.tokenizer.ranks import TokenizerFileError
+from k2lab.tokenizer.template import TEMPLATE_FILE
 from k2lab.tokenizer.tokenizer_json import JsonTokenizer
 
 BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
@@ -88,3 +91,13 @@ def test_a_tokenizer_json_that_is_not_byte_level_is_refused(tmp_path):
     tok.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(TokenizerFileError, match="byte-level"):
         k2lab.load_tokenizer(tmp_path)
+
+
+def test_a_hub_repo_s_template_is_fetched_with_its_tokenizer_json(folder, tmp_path, hub_repo):
+    """A tokenizer.json release from a repo id: its chat_template.jinja comes along (see test_chat_templates)."""
+    remote = Path(shutil.copytree(folder, tmp_path / "remote"))
+    (remote / TEMPLATE_FILE).write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    hub_repo(remote)
+    tok = k2lab.load_tokenizer("deepseek-ai/DeepSeek-V3")
+    assert isinstance(tok, JsonTokenizer)
+    assert tok.chat_template == (remote / TEMPLATE_FILE).read_text()
