@@ -38,11 +38,13 @@ def no_grad():
 @pytest.fixture
 def hub_repo(tmp_path, monkeypatch):
     """A stand-in for the Hub, no network: ``hub_repo(folder)`` serves ``folder`` as the remote repo through
-    ``huggingface_hub.hf_hub_download``, which copies each file asked for into a snapshot folder holding only what was
-    fetched (as the Hub cache does) and raises EntryNotFoundError for a file the repo lacks. Returns the list of file
-    names asked for."""
+    ``hf_hub_download`` (huggingface_hub's, and the name ``k2lab.weights.hub`` imported), which copies each file asked
+    for into a snapshot folder holding only what was fetched (as the Hub cache does) and raises EntryNotFoundError for
+    a file the repo lacks. Returns the list of file names asked for."""
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError
+
+    from k2lab.weights import hub
 
     def serve(remote: Path) -> list[str]:
         snapshot = tmp_path / "snapshot"
@@ -56,6 +58,7 @@ def hub_repo(tmp_path, monkeypatch):
             return str(shutil.copy(remote / filename, snapshot / filename))
 
         monkeypatch.setattr(huggingface_hub, "hf_hub_download", hub_download)
+        monkeypatch.setattr(hub, "hf_hub_download", hub_download)
         return fetched
 
     return serve

@@ -422,8 +422,24 @@ def _repair_surrogates(text: str) -> str:
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
+def _fetch_chat_template(repo_id: str, revision: str | None) -> None:
+    """Bring a Hub repo's ``chat_template.jinja`` into the cache beside its tokenizer files, where
+    ``find_chat_template`` looks: K2-Thinking and later K2 revisions ship their chat layout only there. A repo
+    without one leaves nothing (``hub.fetch_file``), and so does a cache without one while offline: the template is
+    optional, so the tokenizer loads as it did before, from what is cached."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from ..weights import hub
+
+    try:
+        hub.fetch_file(repo_id, TEMPLATE_FILE, revision)
+    except LocalEntryNotFoundError:
+        pass
+
+
 def _resolve_files(path_or_repo_id: str | Path, revision: str | None) -> tuple[Path, Path]:
-    """The two release files, from a local directory or else from the Hub (its cache, HF_HUB_OFFLINE)."""
+    """The two release files, from a local directory or else from the Hub (its cache, HF_HUB_OFFLINE), which also
+    brings the repo's chat template beside them where it ships one."""
     local = Path(path_or_repo_id).expanduser()
     names = (RANKS_FILE, CONFIG_FILE)
     if local.is_dir():
@@ -444,12 +460,14 @@ def _resolve_files(path_or_repo_id: str | Path, revision: str | None) -> tuple[P
                 f"{name}: {str(path_or_repo_id)!r} is not a local directory and the file could not be had "
                 f"from the Hugging Face Hub or its cache ({type(error).__name__}: {error})"
             ) from error
+    _fetch_chat_template(str(path_or_repo_id), revision)
     return files[0], files[1]
 
 
 def find_tokenizer_json(path_or_repo_id: str | Path, revision: str | None) -> Path | None:
     """The folder of a ``tokenizer.json`` release (DeepSeek's), where there is no K2-style ``tiktoken.model``: a
-    local folder, or from the Hub (or its cache) a repo without a rank file. None for K2's layout."""
+    local folder, or from the Hub (or its cache) a repo without a rank file, its chat template fetched too. None for
+    K2's layout."""
     local = Path(path_or_repo_id).expanduser()
     if local.is_dir():
         has_json = (local / "tokenizer.json").is_file() and not (local / RANKS_FILE).is_file()
@@ -466,20 +484,8 @@ def find_tokenizer_json(path_or_repo_id: str | Path, revision: str | None) -> Pa
         hf_hub_download(str(path_or_repo_id), CONFIG_FILE, revision=revision)
     except Exception:  # neither layout: _resolve_files names what is missing
         return None
+    _fetch_chat_template(str(path_or_repo_id), revision)
     return folder
-
-
-def _fetch_chat_template(repo_id: str, revision: str | None) -> None:
-    """Bring a Hub repo's ``chat_template.jinja`` into the cache beside its tokenizer files, where
-    ``find_chat_template`` looks: K2-Thinking and later K2 revisions ship their chat layout only there. A repo
-    without one (or, offline, a cache without one) leaves nothing; any other failure is raised."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    try:
-        hf_hub_download(repo_id, TEMPLATE_FILE, revision=revision)
-    except EntryNotFoundError:
-        pass
 
 
 def load_tokenizer(
@@ -498,17 +504,12 @@ def load_tokenizer(
         raise TypeError(f"path_or_repo_id must be a folder or a Hub repo id, got {path_or_repo_id!r}")
     if not isinstance(allow_special, bool):
         raise TypeError(f"allow_special must be True or False, got {allow_special!r}")
-    from_hub = not Path(path_or_repo_id).expanduser().is_dir()
     tokenizer_json = find_tokenizer_json(path_or_repo_id, revision)
     if tokenizer_json is not None:
         from .tokenizer_json import load_tokenizer_json
 
-        if from_hub:
-            _fetch_chat_template(str(path_or_repo_id), revision)
         return load_tokenizer_json(tokenizer_json, allow_special=allow_special, name=str(path_or_repo_id))
     ranks_path, config_path = _resolve_files(path_or_repo_id, revision)
-    if from_hub:  # the files are there: the repo exists, and its template is fetched beside them
-        _fetch_chat_template(str(path_or_repo_id), revision)
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
