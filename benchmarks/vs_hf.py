@@ -143,25 +143,24 @@ def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[st
         ref(step, past_key_values=hf_cache, use_cache=True)
         hf_cache.crop(-1)  # transformers 5: a negative count of tokens to remove
 
-    def our_step(impl):
-        ours(step, cache=caches[impl], attn_impl=impl)
-        caches[impl].crop(context)
+    def our_step(impl: str, forward: Callable = ours, cache: str | None = None) -> torch.Tensor:
+        cache = cache or impl
+        logits = forward(step, cache=caches[cache], attn_impl=impl)
+        caches[cache].crop(context)
+        return logits
 
     def generate_step():  # as k2lab.generate runs a step when nothing observes the model
         with torch.inference_mode():
-            our_step("auto")
+            return our_step("auto")
 
     compiled = torch.compile(ours, dynamic=True)
 
     def compiled_step():  # as generate(compile=True) runs a step
         with torch.inference_mode():
-            logits = compiled(step, cache=caches["compiled"])
-        caches["compiled"].crop(context)
-        return logits
+            return our_step("auto", compiled, cache="compiled")
 
     token = int(step[0, 0])
-    expected = ours(step, cache=caches["auto"])[0]  # [1, V]
-    caches["auto"].crop(context)
+    expected = our_step("auto")[0]  # [1, V]
     for name, logits in (("eager-floor", minimal_decode_step(ours, caches["auto"], token)),
                          ("compiled", compiled_step()[0])):
         if not torch.allclose(logits, expected, atol=1e-4, rtol=0):
