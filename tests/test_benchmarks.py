@@ -143,3 +143,36 @@ def test_moe_dispatch_training_contenders_differ_only_in_how_the_stacks_gradient
         names = {type(w.grad_fn).__name__ for w in views}
     assert names == {"SliceBackward0", "StackSlicesBackward"}
     assert all(p.grad is None for p in experts.parameters())  # each run clears what it computed
+
+
+def bmm_operands(run) -> set[tuple]:
+    """(shape, innermost two strides) of both operands of every bmm ``run`` issues."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.bmm.default:
+                seen.add(tuple((tuple(a.shape), a.stride()[-2:]) for a in args))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        run()
+    return seen
+
+
+@torch.no_grad()
+def test_cache_passes_times_the_two_products_the_absorbed_step_issues_over_the_cache(model):
+    """benchmarks.cache_passes times, per layer, the absorbed decode step's score and value products over the cache:
+    the same shapes and the same memory layout (cache rows read in place, queries transposed), and nothing else."""
+    from benchmarks.cache_passes import cache_passes, decode_step
+
+    context = 20
+    passes, flops = cache_passes(TINY, context, TINY.num_attention_heads)
+    timed = bmm_operands(passes)
+    width = TINY.kv_lora_rank + TINY.qk_rope_head_dim
+    assert len(timed) == 2 and flops == 2 * TINY.num_attention_heads * context * (width + TINY.kv_lora_rank) * (
+        TINY.num_hidden_layers)
+    step = decode_step(model, context - 1)  # its token's own row makes context rows
+    assert timed <= bmm_operands(step)  # the step also issues the two absorptions through W_UK and W_UV
