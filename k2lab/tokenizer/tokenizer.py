@@ -51,6 +51,7 @@ KIMI_PATTERN = "|".join(
 
 RANKS_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_JSON = "tokenizer.json"  # DeepSeek's layout: the finished `tokenizers` model (k2lab.tokenizer.tokenizer_json)
 NUM_RESERVED_SPECIAL_TOKENS = 256  # ids len(ranks) .. len(ranks)+255, as in K2 (163,584 + 256 = 163,840)
 
 # The nano tokenizer (8,192 ids) trained on the standard library by scripts/train_nano_tokenizer.py.
@@ -437,55 +438,70 @@ def _fetch_chat_template(repo_id: str, revision: str | None) -> None:
         pass
 
 
-def _resolve_files(path_or_repo_id: str | Path, revision: str | None) -> tuple[Path, Path]:
-    """The two release files, from a local directory or else from the Hub (its cache, HF_HUB_OFFLINE), which also
-    brings the repo's chat template beside them where it ships one."""
-    local = Path(path_or_repo_id).expanduser()
-    names = (RANKS_FILE, CONFIG_FILE)
-    if local.is_dir():
-        for name in names:
-            if not (local / name).is_file():
-                raise FileNotFoundError(
-                    f"{local / name}: missing (a K2 tokenizer directory holds {RANKS_FILE} and {CONFIG_FILE})"
-                )
-        return local / RANKS_FILE, local / CONFIG_FILE
-    from huggingface_hub import hf_hub_download
-
-    files = []
-    for name in names:
-        try:
-            files.append(Path(hf_hub_download(str(path_or_repo_id), name, revision=revision)))
-        except Exception as error:  # invalid id, offline without a cached copy, no such file, no network
-            raise FileNotFoundError(
-                f"{name}: {str(path_or_repo_id)!r} is not a local directory and the file could not be had "
-                f"from the Hugging Face Hub or its cache ({type(error).__name__}: {error})"
-            ) from error
-    _fetch_chat_template(str(path_or_repo_id), revision)
-    return files[0], files[1]
+def release_layout(folder: Path) -> str | None:
+    """The file that holds a local tokenizer release's vocabulary: RANKS_FILE for K2's layout (with CONFIG_FILE
+    beside it), TOKENIZER_JSON for DeepSeek's (a folder without a rank file); None for a folder holding neither."""
+    if (folder / RANKS_FILE).is_file():
+        return RANKS_FILE if (folder / CONFIG_FILE).is_file() else None
+    return TOKENIZER_JSON if (folder / TOKENIZER_JSON).is_file() else None
 
 
-def find_tokenizer_json(path_or_repo_id: str | Path, revision: str | None) -> Path | None:
-    """The folder of a ``tokenizer.json`` release (DeepSeek's), where there is no K2-style ``tiktoken.model``: a
-    local folder, or from the Hub (or its cache) a repo without a rank file, its chat template fetched too. None for
-    K2's layout."""
+def find_release(path_or_repo_id: str | Path, revision: str | None) -> tuple[Path, str]:
+    """(folder, the file holding the vocabulary: ``release_layout``'s answer) of a tokenizer release: a local
+    directory, or else a Hub repo through its cache (HF_HUB_OFFLINE). From the Hub each file is asked for once: the
+    rank file, or where the repo has none ``tokenizer.json``, then the config (optional beside ``tokenizer.json``, as
+    in a folder) and the chat template where the repo ships one."""
     local = Path(path_or_repo_id).expanduser()
     if local.is_dir():
-        has_json = (local / "tokenizer.json").is_file() and not (local / RANKS_FILE).is_file()
-        return local if has_json else None
+        layout = release_layout(local)
+        if layout is None:
+            missing = RANKS_FILE if (local / CONFIG_FILE).is_file() else CONFIG_FILE
+            raise FileNotFoundError(f"{local / missing}: missing (a K2 tokenizer directory holds {RANKS_FILE} and "
+                                    f"{CONFIG_FILE}; a DeepSeek one {TOKENIZER_JSON})")
+        return local, layout
     from huggingface_hub import hf_hub_download
 
+    from ..weights import hub
+
+    repo = str(path_or_repo_id)
+
+    def unavailable(name: str, error: Exception) -> FileNotFoundError:
+        return FileNotFoundError(f"{name}: {repo!r} is not a local directory and the file could not be had from the "
+                                 f"Hugging Face Hub or its cache ({type(error).__name__}: {error})")
+
     try:
-        hf_hub_download(str(path_or_repo_id), RANKS_FILE, revision=revision)
-        return None
-    except Exception:  # no rank file (or no Hub): a tokenizer.json release, if there is one
-        pass
+        folder, layout = Path(hf_hub_download(repo, RANKS_FILE, revision=revision)).parent, RANKS_FILE
+    except Exception as error:  # invalid id, offline without a cached copy, no such file, no network
+        try:  # no rank file: a tokenizer.json release, if there is one
+            folder, layout = Path(hf_hub_download(repo, TOKENIZER_JSON, revision=revision)).parent, TOKENIZER_JSON
+        except Exception:
+            raise unavailable(RANKS_FILE, error) from error
     try:
-        folder = Path(hf_hub_download(str(path_or_repo_id), "tokenizer.json", revision=revision)).parent
-        hf_hub_download(str(path_or_repo_id), CONFIG_FILE, revision=revision)
-    except Exception:  # neither layout: _resolve_files names what is missing
-        return None
-    _fetch_chat_template(str(path_or_repo_id), revision)
-    return folder
+        config = hub.fetch_file(repo, CONFIG_FILE, revision)  # None: the repo has none
+    except Exception as error:
+        raise unavailable(CONFIG_FILE, error) from error
+    if config is None and layout == RANKS_FILE:
+        raise FileNotFoundError(f"{CONFIG_FILE}: Hub repo {repo!r} has {RANKS_FILE} but not this file")
+    _fetch_chat_template(repo, revision)
+    return folder, layout
+
+
+def read_tokenizer_config(path: Path) -> dict:
+    """A release's ``tokenizer_config.json`` as a dict; a file that is not a JSON object is named."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise TokenizerFileError(f"{path}:{error.lineno}: not valid JSON ({error.msg})") from None
+    except UnicodeDecodeError as error:
+        raise TokenizerFileError(f"{path}: not UTF-8 text (byte {error.start}); expected JSON") from None
+    if not isinstance(config, dict):
+        raise TokenizerFileError(f"{path}: expected a JSON object, got a {type(config).__name__}")
+    return config
+
+
+def token_content(value: object) -> object:
+    """A special token named in a tokenizer config, written as its string or as an AddedToken object."""
+    return value["content"] if isinstance(value, dict) else value
 
 
 def load_tokenizer(
@@ -496,34 +512,26 @@ def load_tokenizer(
     template the folder ships, if any, lays out ``apply_chat_template``.
 
     `path_or_repo_id` is a local directory or a Hub repo id (e.g. "moonshotai/Kimi-K2-Instruct"); for a
-    repo only those two files (and ``chat_template.jinja`` where the repo ships one) are fetched, through the Hub
-    cache, so HF_HUB_OFFLINE=1 works once they are cached. `allow_special` sets the default special-token policy of
-    encode (see K2Tokenizer).
+    repo only the release's files (and ``chat_template.jinja`` where the repo ships one) are fetched, each once,
+    through the Hub cache (``find_release``), so HF_HUB_OFFLINE=1 works once they are cached. `allow_special` sets
+    the default special-token policy of encode (see K2Tokenizer).
     """
     if not isinstance(path_or_repo_id, (str, os.PathLike)) or not str(path_or_repo_id):
         raise TypeError(f"path_or_repo_id must be a folder or a Hub repo id, got {path_or_repo_id!r}")
     if not isinstance(allow_special, bool):
         raise TypeError(f"allow_special must be True or False, got {allow_special!r}")
-    tokenizer_json = find_tokenizer_json(path_or_repo_id, revision)
-    if tokenizer_json is not None:
+    folder, layout = find_release(path_or_repo_id, revision)
+    if layout == TOKENIZER_JSON:
         from .tokenizer_json import load_tokenizer_json
 
-        return load_tokenizer_json(tokenizer_json, allow_special=allow_special, name=str(path_or_repo_id))
-    ranks_path, config_path = _resolve_files(path_or_repo_id, revision)
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise TokenizerFileError(f"{config_path}:{error.lineno}: not valid JSON ({error.msg})") from None
-    except UnicodeDecodeError as error:
-        raise TokenizerFileError(f"{config_path}: not UTF-8 text (byte {error.start}); expected JSON") from None
-    if not isinstance(config, dict):
-        raise TokenizerFileError(f"{config_path}: expected a JSON object, got a {type(config).__name__}")
+        return load_tokenizer_json(folder, allow_special=allow_special, name=str(path_or_repo_id))
+    ranks_path, config_path = folder / RANKS_FILE, folder / CONFIG_FILE
+    config = read_tokenizer_config(config_path)
     ranks = load_ranks(ranks_path)
     specials = special_tokens_from_config(config, len(ranks), config_path)
     names = {}
     for role, default in (("bos_token", "[BOS]"), ("eos_token", "[EOS]")):
-        value = config.get(role) or default
-        names[role] = value["content"] if isinstance(value, dict) else value
+        names[role] = token_content(config.get(role) or default)
         if names[role] not in specials:
             raise TokenizerFileError(f"{config_path}: {role} {names[role]!r} is not one of the special tokens")
     return K2Tokenizer(ranks, specials, allow_special=allow_special, name=str(path_or_repo_id),

@@ -16,10 +16,8 @@ from tokenizers import Tokenizer
 
 from .ranks import TokenizerFileError, bytes_to_unicode
 from .template import find_chat_template
-from .tokenizer import K2Tokenizer
+from .tokenizer import CONFIG_FILE, TOKENIZER_JSON, K2Tokenizer, read_tokenizer_config, token_content
 
-TOKENIZER_JSON = "tokenizer.json"
-CONFIG_FILE = "tokenizer_config.json"
 _FROM_BYTE_LEVEL = {char: byte for byte, char in bytes_to_unicode().items()}
 
 
@@ -71,17 +69,7 @@ def load_tokenizer_json(folder: Path, *, allow_special: bool = True, name: str =
     if decoder != "ByteLevel":
         raise TokenizerFileError(f"{folder / TOKENIZER_JSON}: decoder {decoder!r}; k2lab reads byte-level BPE "
                                  "tokenizers (DeepSeek's), whose tokens are bytes")
-    config: dict = {}
-    if (folder / CONFIG_FILE).is_file():
-        try:
-            config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise TokenizerFileError(f"{folder / CONFIG_FILE}:{error.lineno}: not valid JSON ({error.msg})") from None
-
-    def token_name(role: str) -> str | None:
-        value = config.get(role)
-        return value["content"] if isinstance(value, dict) else value
-
-    return JsonTokenizer(backend, bos_token=token_name("bos_token"), eos_token=token_name("eos_token"),
-                         allow_special=allow_special, name=name or str(folder),
-                         chat_template=find_chat_template(folder, config))
+    config = read_tokenizer_config(folder / CONFIG_FILE) if (folder / CONFIG_FILE).is_file() else {}
+    return JsonTokenizer(backend, bos_token=token_content(config.get("bos_token")),
+                         eos_token=token_content(config.get("eos_token")), allow_special=allow_special,
+                         name=name or str(folder), chat_template=find_chat_template(folder, config))

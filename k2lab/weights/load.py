@@ -119,11 +119,9 @@ def _mtp_notes(checkpoint: Checkpoint, cfg: K2Config) -> list[str]:
 def _tokenizer_in(folder: Path):
     """The tokenizer shipped beside the weights (K2's tiktoken.model and tokenizer_config.json, or a
     tokenizer.json), or None."""
-    from ..tokenizer.tokenizer import CONFIG_FILE, RANKS_FILE, load_tokenizer
+    from ..tokenizer.tokenizer import load_tokenizer, release_layout
 
-    if (folder / RANKS_FILE).is_file() and (folder / CONFIG_FILE).is_file() or (folder / "tokenizer.json").is_file():
-        return load_tokenizer(folder)
-    return None
+    return load_tokenizer(folder) if release_layout(folder) is not None else None
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

@@ -379,6 +379,20 @@ def test_missing_file_is_named(tmp_path):
     (path / "tokenizer_config.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"tokenizer_config\.json: missing"):
         load_tokenizer(path)
+    (path / "tiktoken.model").unlink()  # neither layout's files
+    with pytest.raises(FileNotFoundError, match=r"tokenizer_config\.json: missing"):
+        load_tokenizer(path)
+    (path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"tiktoken\.model: missing"):
+        load_tokenizer(path)
+
+
+def test_a_hub_repo_with_ranks_but_no_config_is_named(tmp_path, hub_repo):
+    path = copy_nano(tmp_path)
+    (path / "tokenizer_config.json").unlink()
+    hub_repo(path)
+    with pytest.raises(FileNotFoundError, match=r"tokenizer_config\.json: Hub repo 'moonshotai/Kimi-K2' has tiktoken"):
+        load_tokenizer("moonshotai/Kimi-K2")
 
 
 def test_decode_rejects_ids_out_of_range(nano):

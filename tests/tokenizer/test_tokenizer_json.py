@@ -97,7 +97,20 @@ def test_a_hub_repo_s_template_is_fetched_with_its_tokenizer_json(folder, tmp_pa
     """A tokenizer.json release from a repo id: its chat_template.jinja comes along (see test_chat_templates)."""
     remote = Path(shutil.copytree(folder, tmp_path / "remote"))
     (remote / TEMPLATE_FILE).write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    hub_repo(remote)
+    fetched = hub_repo(remote)
     tok = k2lab.load_tokenizer("deepseek-ai/DeepSeek-V3")
     assert isinstance(tok, JsonTokenizer)
     assert tok.chat_template == (remote / TEMPLATE_FILE).read_text()
+    # the rank file is asked for once, to tell the layouts apart; every file once
+    assert fetched == ["tiktoken.model", "tokenizer.json", "tokenizer_config.json", TEMPLATE_FILE]
+
+
+def test_a_hub_repo_without_a_config_loads_as_a_folder_without_one_does(folder, tmp_path, hub_repo):
+    """Beside tokenizer.json the config is optional, from the Hub as from a folder: no BOS or EOS is named then (K2's
+    layout needs its config: test_tokenizer)."""
+    remote = Path(shutil.copytree(folder, tmp_path / "remote"))
+    (remote / "tokenizer_config.json").unlink()
+    hub_repo(remote)
+    from_hub, from_folder = k2lab.load_tokenizer("deepseek-ai/DeepSeek-V3"), k2lab.load_tokenizer(remote)
+    assert from_hub.bos_id is None and from_folder.bos_id is None
+    assert from_hub.encode("Hello world") == from_folder.encode("Hello world")
