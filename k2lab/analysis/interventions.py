@@ -344,25 +344,17 @@ def attribution_patch(model: K2Model, clean_ids: torch.Tensor, corrupt_ids: torc
     selected = model.select_hook_names(one_selector(names, names_filter))
     with torch.no_grad():
         _, clean = model.run_with_cache(clean_ids, names=selected, **forward_kwargs)
-    live: dict[str, torch.Tensor] = {}
-
-    def keep(tensor: torch.Tensor, hook: HookPoint) -> None:
-        if tensor.requires_grad:
-            live[hook.name] = tensor
-
-    with torch.enable_grad(), model.hooks(fwd_hooks=[(selected, keep)]):
-        value = metric(model(corrupt_ids, **forward_kwargs))
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            raise ValueError(f"metric must return a scalar tensor; got {getattr(value, 'shape', type(value))}")
-        grads = torch.autograd.grad(value.sum(), list(live.values()), allow_unused=True)
+    _, corrupt_run = model.run_with_cache(corrupt_ids, names=selected, incl_bwd=True, metric=metric, **forward_kwargs)
     estimates = {}
-    for (name, corrupt), grad in zip(live.items(), grads, strict=True):
+    for name in selected:
+        grad = corrupt_run.get(name + "_grad")  # None: the probe carries no gradient, or the metric did not reach it
         if grad is None:
             continue
+        corrupt = corrupt_run[name]
         if clean[name].shape != corrupt.shape:
             raise ValueError(f"{name} is {tuple(corrupt.shape)} in the corrupt run but {tuple(clean[name].shape)} in "
                              "the clean one: give runs of equal batch and length")
-        diff = clean[name].to(corrupt.device, corrupt.dtype) - corrupt.detach()  # [B, ...]
+        diff = clean[name].to(corrupt.device, corrupt.dtype) - corrupt  # [B, ...]
         term = torch.where(grad != 0, diff * grad, 0.0)  # masked scores are -inf in both runs: their diff is NaN
         axis = 2 if name.endswith(("hook_attn_scores", "hook_pattern")) else 1  # the position axis
         estimates[name] = term.movedim(axis, 1).flatten(2).sum(-1) if term.dim() > 2 else term

@@ -264,12 +264,12 @@ class PipelinedK2:
 
     def run_with_cache(self, input_ids: torch.Tensor, names: NameFilter = None,
                        device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
-                       names_filter: NameFilter = None, incl_bwd: bool = False,
+                       names_filter: NameFilter = None, incl_bwd: bool = False, metric: Callable | None = None,
                        **forward_kwargs) -> tuple[torch.Tensor, ActivationCache]:
         """``K2Model.run_with_cache`` over the pipeline (the same selectors; ``forward_kwargs`` as for ``pm(...)``):
         each rank records its own probes, then every rank receives all of them (on ``device``, default this
-        rank's), in firing order. ``incl_bwd`` is refused: the pipeline runs forward only."""
-        _refuse_backward("incl_bwd", incl_bwd)
+        rank's), in firing order. ``incl_bwd`` (and its ``metric``) is refused: the pipeline runs forward only."""
+        _refuse_backward("incl_bwd", incl_bwd or metric is not None)
         names = one_selector(names, names_filter)
         store: dict[str, torch.Tensor] = {}
 

@@ -243,6 +243,7 @@ class HookedModule(nn.Module):
     def run_with_cache(self, input_ids: torch.Tensor | str | list[str], names: NameFilter = None,
                        device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
                        names_filter: NameFilter = None, incl_bwd: bool = False,
+                       metric: Callable[[torch.Tensor], torch.Tensor] | None = None,
                        **forward_kwargs) -> tuple[torch.Tensor, ActivationCache]:
         """Forward once and record the probes selected by ``names`` (or ``names_filter``, the same) ->
         ``(output, cache)``, ``output`` what ``model(input_ids, **forward_kwargs)`` returns.
@@ -253,13 +254,15 @@ class HookedModule(nn.Module):
         taken inside ``model.hooks(...)`` holds the edited activations. Asking for ``hook_pattern`` or
         ``hook_attn_scores`` makes the naive attention path leave its fused kernel for an explicit softmax.
 
-        ``incl_bwd=True``: the output must be a scalar (``return_type="loss"``, or "both", whose loss is used); its
-        gradient with respect to every selected probe is stored as ``name + "_grad"`` (through
-        ``torch.autograd.grad``: parameters' ``.grad`` are left alone). Probes that carry no gradient (the integer
-        ``hook_topk_idx``, the detached ``hook_max_logit``, and ``hook_choice_scores``, which only ranks experts)
-        get no ``_grad`` entry.
+        ``incl_bwd=True``: the output must be a scalar (``return_type="loss"``, or "both", whose loss is used), or
+        ``metric(output)`` must be, when a metric is given (a logit difference, say); its gradient with respect to
+        every selected probe is stored as ``name + "_grad"`` (through ``torch.autograd.grad``: parameters' ``.grad``
+        are left alone). Probes that carry no gradient (the integer ``hook_topk_idx``, the detached
+        ``hook_max_logit``, and ``hook_choice_scores``, which only ranks experts) get no ``_grad`` entry.
         """
         names = one_selector(names, names_filter)
+        if metric is not None and not incl_bwd:
+            raise ValueError("metric= names what incl_bwd=True differentiates; without incl_bwd there is no gradient")
         from ..analysis.cache import ActivationCache  # the model package does not import analysis at import time
 
         selected = self.select_hook_names(names)
@@ -280,11 +283,12 @@ class HookedModule(nn.Module):
         with torch.enable_grad() if incl_bwd else nullcontext(), self.hooks(fwd_hooks=[(selected, record)]):
             output = self(input_ids, **forward_kwargs)
             if incl_bwd:
-                scalar = output[1] if isinstance(output, tuple) else output
+                scalar = metric(output) if metric is not None else output[1] if isinstance(output, tuple) else output
                 if not isinstance(scalar, torch.Tensor) or scalar.numel() != 1 or not scalar.requires_grad:
                     got = tuple(scalar.shape) if isinstance(scalar, torch.Tensor) else type(scalar).__name__
-                    raise ValueError(f"incl_bwd=True differentiates a scalar output, e.g. return_type='loss'; the "
-                                     f"forward returned {got}")
+                    what = "metric(output)" if metric is not None else "a scalar output, e.g. return_type='loss'"
+                    raise ValueError(f"incl_bwd=True differentiates {what}; "
+                                     f"{'the metric' if metric is not None else 'the forward'} returned {got}")
                 grads = torch.autograd.grad(scalar, list(live.values()), allow_unused=True)
                 for name, grad in zip(list(live), grads, strict=True):
                     if grad is not None:

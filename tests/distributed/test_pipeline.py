@@ -226,6 +226,8 @@ def test_hooks_take_the_models_selectors_and_refuse_a_backward(one_rank, referen
             pass
     with pytest.raises(NotImplementedError, match="incl_bwd: PipelinedK2 runs forward only"):
         pm.run_with_cache(ids, incl_bwd=True)
+    with pytest.raises(NotImplementedError, match="incl_bwd: PipelinedK2 runs forward only"):
+        pm.run_with_cache(ids, metric=lambda logits: logits.sum())
     with pytest.raises(ValueError, match=r"fwd_hooks takes \(selector, fn\) pairs"):
         with pm.hooks(fwd_hooks=["hook_resid_post"]):
             pass

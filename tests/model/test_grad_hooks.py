@@ -80,6 +80,26 @@ def test_run_with_cache_stores_gradients_and_leaves_parameters_alone(model, ids)
         model.run_with_cache(ids, names="hook_resid_post", incl_bwd=True)
 
 
+def test_run_with_cache_differentiates_a_metric_of_the_output(model, ids):
+    """With ``metric=``, the gradients stored are those of metric(output) (here a logit difference), as
+    torch.autograd.grad gives them, and the output returned is the forward's own."""
+    name = "layers.2.hook_resid_mid"
+
+    def metric(logits):
+        return (logits[:, -1, 5] - logits[:, -1, 9]).sum()
+
+    logits, cache = model.run_with_cache(ids, names=name, incl_bwd=True, metric=metric)
+    kept = {}
+    with model.hooks(fwd_hooks=[(name, keeper(kept))]):
+        (expected,) = torch.autograd.grad(metric(model(ids)), kept[name])
+    torch.testing.assert_close(cache[name + "_grad"], expected, rtol=1e-5, atol=1e-9)
+    assert logits.shape == (2, 7, TINY.vocab_size) and all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match=r"differentiates metric\(output\); the metric returned \(2,\)"):
+        model.run_with_cache(ids, names=name, incl_bwd=True, metric=lambda logits: logits[:, -1, 5])
+    with pytest.raises(ValueError, match="without incl_bwd there is no gradient"):
+        model.run_with_cache(ids, names=name, metric=metric)
+
+
 def test_router_logit_gradient_matches_a_finite_difference(model, ids):
     """The gradient through the routing weights is the true derivative while the chosen set stays put."""
     name, b, t = "layers.2.mlp.gate.hook_logits", 0, 3
