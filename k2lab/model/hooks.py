@@ -286,9 +286,13 @@ class HookedModule(nn.Module):
                 scalar = metric(output) if metric is not None else output[1] if isinstance(output, tuple) else output
                 if not isinstance(scalar, torch.Tensor) or scalar.numel() != 1 or not scalar.requires_grad:
                     got = tuple(scalar.shape) if isinstance(scalar, torch.Tensor) else type(scalar).__name__
-                    what = "metric(output)" if metric is not None else "a scalar output, e.g. return_type='loss'"
-                    raise ValueError(f"incl_bwd=True differentiates {what}; "
-                                     f"{'the metric' if metric is not None else 'the forward'} returned {got}")
+                    if isinstance(scalar, torch.Tensor) and scalar.numel() == 1:
+                        got = f"{got}, which does not depend on the model (no gradient)"
+                    if metric is not None:
+                        raise ValueError(f"incl_bwd=True differentiates metric(output), which must be a scalar "
+                                         f"tensor; the metric returned {got}")
+                    raise ValueError(f"incl_bwd=True differentiates a scalar output, e.g. return_type='loss'; the "
+                                     f"forward returned {got}")
                 grads = torch.autograd.grad(scalar, list(live.values()), allow_unused=True)
                 for name, grad in zip(list(live), grads, strict=True):
                     if grad is not None:

@@ -455,7 +455,7 @@ def find_release(path_or_repo_id: str | Path, revision: str | None) -> tuple[Pat
     if local.is_dir():
         layout = release_layout(local)
         if layout is None:
-            missing = RANKS_FILE if (local / CONFIG_FILE).is_file() else CONFIG_FILE
+            missing = next(name for name in (RANKS_FILE, CONFIG_FILE) if not (local / name).is_file())
             raise FileNotFoundError(f"{local / missing}: missing (a K2 tokenizer directory holds {RANKS_FILE} and "
                                     f"{CONFIG_FILE}; a DeepSeek one {TOKENIZER_JSON})")
         return local, layout

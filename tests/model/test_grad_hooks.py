@@ -94,8 +94,10 @@ def test_run_with_cache_differentiates_a_metric_of_the_output(model, ids):
         (expected,) = torch.autograd.grad(metric(model(ids)), kept[name])
     torch.testing.assert_close(cache[name + "_grad"], expected, rtol=1e-5, atol=1e-9)
     assert logits.shape == (2, 7, TINY.vocab_size) and all(p.grad is None for p in model.parameters())
-    with pytest.raises(ValueError, match=r"differentiates metric\(output\); the metric returned \(2,\)"):
+    with pytest.raises(ValueError, match=r"differentiates metric\(output\).*the metric returned \(2,\)$"):
         model.run_with_cache(ids, names=name, incl_bwd=True, metric=lambda logits: logits[:, -1, 5])
+    with pytest.raises(ValueError, match=r"the metric returned \(\), which does not depend on the model"):
+        model.run_with_cache(ids, names=name, incl_bwd=True, metric=lambda logits: torch.tensor(1.0))
     with pytest.raises(ValueError, match="without incl_bwd there is no gradient"):
         model.run_with_cache(ids, names=name, metric=metric)
 
