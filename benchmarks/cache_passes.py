@@ -23,15 +23,16 @@ from collections.abc import Callable
 import torch
 
 import k2lab
+from k2lab.config import K2Config
 
-from .timing import COLD_BYTES, alternate_threads, tensor_copy
+from .timing import COLD_BYTES, alternate_threads, decode_step, tensor_copy
 from .vs_hf import BENCH, table
 
 K2_HEADS = 64
 COPY_BYTES = 1 << 28
 
 
-def cache_passes(cfg, context: int, heads: int) -> tuple[Callable[[], object], float]:
+def cache_passes(cfg: K2Config, context: int, heads: int) -> tuple[Callable[[], object], float]:
     """(run, FLOPs of one run): both passes over each layer's cache at ``context`` tokens for one decode token of
     ``heads`` query rows, the caches cycled over copies that fill COLD_BYTES."""
     gen = torch.Generator().manual_seed(0)
@@ -48,20 +49,6 @@ def cache_passes(cfg, context: int, heads: int) -> tuple[Callable[[], object], f
             torch.bmm(pattern, entries[..., :C])  # [1, H, C] values
 
     return run, 2.0 * heads * context * (width + C) * layers
-
-
-def decode_step(model: k2lab.K2Model, context: int) -> Callable[[], object]:
-    """The model's plain eager call for one token at ``context`` cached tokens, the cache cropped back after it."""
-    gen = torch.Generator().manual_seed(0)
-    cache = model.new_cache(1, capacity=context + 1)
-    model(torch.randint(0, model.config.vocab_size, (1, context), generator=gen), cache=cache)
-    token = torch.randint(0, model.config.vocab_size, (1, 1), generator=gen)
-
-    def run() -> None:
-        model(token, cache=cache)
-        cache.crop(context)
-
-    return run
 
 
 @torch.no_grad()

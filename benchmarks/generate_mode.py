@@ -23,7 +23,7 @@ import torch
 
 import k2lab
 
-from .timing import alternate_threads
+from .timing import alternate_threads, decode_step
 from .vs_hf import BENCH, table
 
 
@@ -58,21 +58,8 @@ def generate_calls(model: k2lab.K2Model, new: int, compile: bool = False) -> dic
 
 def decode_steps(model: k2lab.K2Model, context: int) -> dict[str, Callable[[], torch.Tensor]]:
     """One decode step at ``context`` cached tokens in each mode (the model's call, as generate's loop makes it)."""
-    gen = torch.Generator().manual_seed(0)
-    cache = model.new_cache(1)
-    with torch.no_grad():
-        model(torch.randint(0, model.config.vocab_size, (1, context), generator=gen), cache=cache)
-    token = torch.randint(0, model.config.vocab_size, (1, 1), generator=gen)
-
-    def step(mode):
-        def run():
-            with mode():
-                logits = model(token, cache=cache)
-            cache.crop(context)
-            return logits
-        return run
-
-    return {"inference mode": step(torch.inference_mode), "no_grad": step(torch.no_grad)}
+    return {"inference mode": decode_step(model, context, mode=torch.inference_mode),
+            "no_grad": decode_step(model, context, mode=torch.no_grad)}
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from k2lab.model import linear as linear_module
 from k2lab.model.linear import linear
 
+from . import timing
 from .timing import alternate_threads, weight_reads
 from .vs_hf import BENCH, build_pair, decode_matrices
 
@@ -40,17 +41,13 @@ def check_equal(shapes: list[tuple[int, int]], rows: int, threads: list[int]) ->
 
 
 def decode_step(model, context: int, min_block: int, batch: int = 1) -> Callable[[], object]:
-    """One decode step of ``batch`` sequences at ``context`` cached tokens with ``linear_module.SPLIT_MIN_BLOCK =
-    min_block``."""
-    gen = torch.Generator().manual_seed(0)
-    cache = model.new_cache(batch)
-    model(torch.randint(0, model.config.vocab_size, (batch, context), generator=gen), cache=cache)
-    step = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen)
+    """One decode step of ``batch`` sequences at ``context`` cached tokens (``timing.decode_step``) with
+    ``linear_module.SPLIT_MIN_BLOCK = min_block``."""
+    step = timing.decode_step(model, context, batch)
 
     def run():
         linear_module.SPLIT_MIN_BLOCK = min_block
-        model(step, cache=cache)
-        cache.crop(context)
+        return step()
     return run
 
 

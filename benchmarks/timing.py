@@ -3,6 +3,7 @@ slows each alike) and report medians. Ratios, not absolute times, are the figure
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import time
@@ -63,6 +64,28 @@ def matmul_rate(n: int = 2048, dtype=None, rounds: int = 5) -> float:
     b = torch.randn(n, n, dtype=dtype or torch.float32)
     seconds = alternate({"mm": lambda: a @ b}, rounds=rounds)["mm"]
     return 2 * n**3 / seconds
+
+
+def decode_step(model, context: int, batch: int = 1, mode: Callable[[], object] | None = None
+                ) -> Callable[[], object]:
+    """A run of one decode step of ``batch`` random sequences after a prompt of ``context`` tokens (the model's call as
+    generate's loop makes it, inside ``mode()``, e.g. ``torch.inference_mode``, when given), returning its logits; the
+    cache is cropped back after each run, so every run sees the same context."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    cache = model.new_cache(batch, capacity=context + 1)
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (batch, context), generator=gen), cache=cache)
+    token = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen)
+
+    def run():
+        with mode() if mode is not None else contextlib.nullcontext():
+            logits = model(token, cache=cache)
+        cache.crop(context)
+        return logits
+
+    return run
 
 
 COLD_BYTES = 64 << 20  # more than this CPU's last-level cache (32 MB)

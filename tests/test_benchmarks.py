@@ -166,7 +166,8 @@ def bmm_operands(run) -> set[tuple]:
 def test_cache_passes_times_the_two_products_the_absorbed_step_issues_over_the_cache(model):
     """benchmarks.cache_passes times, per layer, the absorbed decode step's score and value products over the cache:
     the same shapes and the same memory layout (cache rows read in place, queries transposed), and nothing else."""
-    from benchmarks.cache_passes import cache_passes, decode_step
+    from benchmarks.cache_passes import cache_passes
+    from benchmarks.timing import decode_step
 
     context = 20
     passes, flops = cache_passes(TINY, context, TINY.num_attention_heads)
