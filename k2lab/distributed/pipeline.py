@@ -180,9 +180,10 @@ class PipelinedK2:
         """The units of every rank (and the plan's bytes when a plan chose them)."""
         return str(self.plan) if self.plan is not None else _describe_stages(self.stages, self.world_size)
 
-    def new_cache(self, batch_size: int = 1) -> LatentCache:
-        """This rank's latent cache: buffers for its own blocks (the others' entries on meta, empty)."""
-        return self.model.new_cache(batch_size)
+    def new_cache(self, batch_size: int = 1, capacity: int = 0) -> LatentCache:
+        """This rank's latent cache: buffers for its own blocks (the others' entries on meta, empty), ``capacity``
+        positions reserved as ``K2Model.new_cache`` does."""
+        return self.model.new_cache(batch_size, capacity)
 
     # ---- the forward -------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -394,8 +395,8 @@ class _LastStage:
     def __init__(self, pm: PipelinedK2):
         self.pm, self.config, self.device = pm, pm.config, pm.device
 
-    def new_cache(self, batch_size: int) -> LatentCache:
-        return self.pm.new_cache(batch_size)
+    def new_cache(self, batch_size: int, capacity: int = 0) -> LatentCache:
+        return self.pm.new_cache(batch_size, capacity)
 
     def __call__(self, ids: torch.Tensor, cache: LatentCache, attn_impl: AttnImpl = "auto", *,
                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -152,30 +152,8 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
                          "spliced modules cannot run, and something is attached to this model (model.is_observed()): "
                          "detach it (model.reset_hooks() for k2lab's hooks) or generate without compile")
     with torch.no_grad() if observed else torch.inference_mode():
-        B, T = ids.shape
-        # A compiled step must not grow the cache inside its graph: storage for every position is reserved first.
-        cache = model.new_cache(B, capacity=T + max_new_tokens) if compile else model.new_cache(B)
-        step = torch.compile(model, dynamic=True) if compile else model  # dynamic: one graph for every cache length
-        done = torch.zeros(B, dtype=torch.bool, device=ids.device)
-        # Where each row's next token is read: its last real token at prefill (pads may follow it), then the new one.
-        last = torch.full((B,), T - 1, device=ids.device)
-        if mask is not None:
-            last = T - 1 - mask.flip(-1).int().argmax(-1)  # [B]
-        out, step_input, step_mask = [ids], ids, mask  # the cache remembers the pads after the prefill
-        for i in range(max_new_tokens):
-            forward = step if i > 0 else model  # the prefill runs eager: its products are large, its shapes vary
-            logits = forward(step_input, cache=cache, attn_impl=attn_impl, attention_mask=step_mask)  # [B, T', V]
-            logits = logits[torch.arange(B, device=ids.device), last]  # [B, V]
-            if allowed is not None:
-                logits, allowed = logits.masked_fill(~allowed, float("-inf")), None
-            token = sample_next(logits, temperature, top_k, top_p, generator)  # [B]
-            if eos is not None:
-                token = token.masked_fill(done, eos)
-                done |= token == eos
-            out.append(token[:, None])
-            step_input, step_mask, last = token[:, None], None, torch.zeros_like(last)
-            if done.all():
-                break
+        out = _decode(model, ids, mask, allowed, max_new_tokens, temperature, top_k, top_p, generator, eos,
+                      attn_impl, compile)
     result = torch.cat(out, dim=1)  # [B, T + n], an ordinary tensor whichever mode made its parts
     if text is None:
         return result
@@ -187,3 +165,35 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
         new = new[: new.index(eos)] if eos is not None and eos in new else new
         texts.append(tokenizer.decode(prompt + new))
     return texts[0] if isinstance(text, str) else texts
+
+
+def _decode(model: K2Model, ids: torch.Tensor, mask: torch.Tensor | None, allowed: torch.Tensor | None,
+            max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+            generator: torch.Generator | None, eos: int | None, attn_impl: AttnImpl,
+            compile: bool) -> list[torch.Tensor]:
+    """generate's loop: the prompt ids [B, T], then each step's new tokens [B, 1], as a list to concatenate."""
+    B, T = ids.shape
+    # Storage for every position is reserved first: no step grows the cache (a compiled step must not, in its graph).
+    cache = model.new_cache(B, capacity=T + max_new_tokens)
+    step = torch.compile(model, dynamic=True) if compile else model  # dynamic: one graph for every cache length
+    done = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    # Where each row's next token is read: its last real token at prefill (pads may follow it), then the new one.
+    last = torch.full((B,), T - 1, device=ids.device)
+    if mask is not None:
+        last = T - 1 - mask.flip(-1).int().argmax(-1)  # [B]
+    out, step_input, step_mask = [ids], ids, mask  # the cache remembers the pads after the prefill
+    for i in range(max_new_tokens):
+        forward = step if i > 0 else model  # the prefill runs eager: its products are large, its shapes vary
+        logits = forward(step_input, cache=cache, attn_impl=attn_impl, attention_mask=step_mask)  # [B, T', V]
+        logits = logits[torch.arange(B, device=ids.device), last]  # [B, V]
+        if allowed is not None:
+            logits, allowed = logits.masked_fill(~allowed, float("-inf")), None
+        token = sample_next(logits, temperature, top_k, top_p, generator)  # [B]
+        if eos is not None:
+            token = token.masked_fill(done, eos)
+            done |= token == eos
+        out.append(token[:, None])
+        step_input, step_mask, last = token[:, None], None, torch.zeros_like(last)
+        if done.all():
+            break
+    return out
