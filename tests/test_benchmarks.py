@@ -3,6 +3,9 @@ and a kernel replay re-issues exactly the recorded kernels."""
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
+
 import pytest
 import torch
 from tiny import GROUPED, TINY, random_model, token_ids
@@ -177,3 +180,22 @@ def test_cache_passes_times_the_two_products_the_absorbed_step_issues_over_the_c
         TINY.num_hidden_layers)
     step = decode_step(model, context - 1)  # its token's own row makes context rows
     assert timed <= bmm_operands(step)  # the step also issues the two absorptions through W_UK and W_UV
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 6])
+def test_alternate_threads_lets_every_run_follow_every_other_equally_often(count):
+    """The contenders' order changes from round to round so that none always inherits the same neighbour's freed
+    memory and caches: over one cycle of the design (count rounds, twice that for an odd count) each run follows
+    each other run equally often, and every run is timed once per round at every thread count."""
+    from benchmarks.timing import alternate_threads
+
+    names = [f"run{i}" for i in range(count)]
+    calls = []
+    cycle = count if count % 2 == 0 else 2 * count
+    medians = alternate_threads({name: lambda name=name: calls.append(name) for name in names}, [1],
+                                rounds=cycle - 1, warmup=1)
+    assert set(medians) == {(name, 1) for name in names} and len(calls) == count * cycle
+    rounds = [calls[i : i + count] for i in range(0, len(calls), count)]
+    assert all(sorted(order) == names for order in rounds)
+    follows = Counter(pair for order in rounds for pair in itertools.pairwise(order))
+    assert len(follows) == count * (count - 1) and len(set(follows.values())) == 1
