@@ -25,8 +25,9 @@ def alternate_threads(runs: dict[str, Callable[[], object]], threads: list[int],
     """Median seconds per call of each run at each thread count: every round times every run at every thread
     count in turn, so slow spells of a shared machine fall on all of them alike. The order changes from round to
     round (``round_order``) so that each run follows each other equally often: a run inherits its neighbour's
-    freed memory and evicted caches, and in a rotation of one order every run but the first keeps the same
-    neighbour. The first ``warmup`` rounds are not timed; torch is left at the largest thread count."""
+    freed memory and evicted caches, and in a rotation of one order each run follows the same neighbour in every
+    round but those where it goes first. The first ``warmup`` rounds are not timed; torch is left at the largest
+    thread count."""
     import torch
 
     times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in runs for n in threads}

@@ -186,7 +186,7 @@ def test_cache_passes_times_the_two_products_the_absorbed_step_issues_over_the_c
 def test_alternate_threads_lets_every_run_follow_every_other_equally_often(count):
     """The contenders' order changes from round to round so that none always inherits the same neighbour's freed
     memory and caches: over one cycle of the design (count rounds, twice that for an odd count) each run follows
-    each other run equally often, and every run is timed once per round at every thread count."""
+    each other run equally often, and every run is called once per round."""
     from benchmarks.timing import alternate_threads
 
     names = [f"run{i}" for i in range(count)]
