@@ -143,10 +143,10 @@ def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[st
         ref(step, past_key_values=hf_cache, use_cache=True)
         hf_cache.crop(-1)  # transformers 5: a negative count of tokens to remove
 
-    def our_step(impl: str, forward: Callable = ours, cache: str | None = None) -> torch.Tensor:
-        cache = cache or impl
-        logits = forward(step, cache=caches[cache], attn_impl=impl)
-        caches[cache].crop(context)
+    def our_step(impl: str, forward: Callable = ours, cache_key: str | None = None) -> torch.Tensor:
+        cache = caches[cache_key or impl]  # each path its own cache, the compiled model too
+        logits = forward(step, cache=cache, attn_impl=impl)
+        cache.crop(context)
         return logits
 
     def generate_step():  # as k2lab.generate runs a step when nothing observes the model
@@ -157,7 +157,7 @@ def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[st
 
     def compiled_step():  # as generate(compile=True) runs a step
         with torch.inference_mode():
-            return our_step("auto", compiled, cache="compiled")
+            return our_step("auto", compiled, cache_key="compiled")
 
     token = int(step[0, 0])
     expected = our_step("auto")[0]  # [1, V]
