@@ -98,10 +98,11 @@ class HookPoint(nn.Module):
 
     @property
     def active(self) -> bool:
-        """True when something may read this probe: a k2lab hook, a PyTorch forward (pre-)hook, or a wrapper that took
-        over ``forward`` while it runs (an nnsight trace, which cannot say ahead which probes it will read). The
-        caller then materialises what the probe shows (attention patterns leave the fused kernel)."""
-        if self.fns or self._forward_hooks or self._forward_pre_hooks:
+        """True when something may read this probe or its gradient: a k2lab hook (forward or backward), a PyTorch
+        forward (pre-)hook, or a wrapper that took over ``forward`` while it runs (an nnsight trace, which cannot say
+        ahead which probes it will read). The caller then materialises what the probe shows (attention patterns
+        leave the fused kernel, which makes none, so that a gradient hook on them has a tensor to run on)."""
+        if self.fns or self.bwd_fns or self._forward_hooks or self._forward_pre_hooks:
             return True
         if "forward" not in self.__dict__:
             return False

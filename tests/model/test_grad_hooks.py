@@ -29,8 +29,11 @@ def live_activation(model: K2Model, ids: torch.Tensor, name: str) -> tuple[torch
     return loss, kept[name]
 
 
+# hook_pattern and hook_attn_scores: made only when something watches them (the fused attention kernel makes neither);
+# a gradient hook alone must make them too.
 @pytest.mark.parametrize("name", ["layers.1.hook_resid_mid", "layers.2.self_attn.hook_z", "embed_tokens.hook_out",
-                                  "layers.2.mlp.gate.hook_topk_weights"])
+                                  "layers.2.mlp.gate.hook_topk_weights", "layers.2.self_attn.hook_pattern",
+                                  "layers.2.self_attn.hook_attn_scores"])
 def test_bwd_hook_sees_the_autograd_gradient(model, ids, name):
     loss, act = live_activation(model, ids, name)
     (expected,) = torch.autograd.grad(loss, act)
