@@ -199,3 +199,28 @@ def test_alternate_threads_lets_every_run_follow_every_other_equally_often(count
     assert all(sorted(order) == names for order in rounds)
     follows = Counter(pair for order in rounds for pair in itertools.pairwise(order))
     assert len(follows) == count * (count - 1) and len(set(follows.values())) == 1
+
+
+def test_op_cost_counts_every_dispatch_and_sets_the_products_apart():
+    """benchmarks.op_cost: a step's ops counted with a dispatch mode, views included; products with a weight apart."""
+    from benchmarks.op_cost import op_counts, small_ops
+
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    counts = op_counts(lambda: (torch.bmm(a[None], b[None]).view(4, 3) @ b.T + 1).sum())
+    assert counts["bmm"] == 1 and counts["mm"] == 1 and counts["view"] >= 1 and counts["add"] == 1
+    assert small_ops(counts) == sum(counts.values()) - 2
+
+
+def test_op_cost_shrinks_every_width_and_keeps_the_ops():
+    """The shrunk model has every width divided by the factor and the same layers, experts and top-k, so its floor
+    step runs the same code path."""
+    from benchmarks.op_cost import shrunk
+    from benchmarks.vs_hf import BENCH
+
+    small = shrunk(BENCH, 8)
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank",
+                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        assert getattr(small, field) * 8 == getattr(BENCH, field), field
+    for field in ("num_hidden_layers", "num_attention_heads", "n_routed_experts", "num_experts_per_tok",
+                  "first_k_dense_replace", "n_shared_experts"):
+        assert getattr(small, field) == getattr(BENCH, field), field
