@@ -30,10 +30,12 @@ from k2lab.config import K2Config
 from k2lab.model.linear import linear
 
 from .eager_floor import check_supported, minimal_decode_step
+from .replay import HEAVY_OPS
 from .timing import alternate_threads, decode_step, weight_reads
 from .vs_hf import BENCH, decode_matrices, table
 
-PRODUCTS = {"mm", "bmm", "addmm", "mv", "matmul", "linear"}  # ops that read a weight matrix or the cache
+# The ops that read a weight matrix or the cache: the products (and fused attention) that benchmarks.replay replays.
+PRODUCTS = {op.overloadpacket.__name__ for op in HEAVY_OPS}
 CONTEXT = 512
 CEILING_TARGET = 0.8
 
