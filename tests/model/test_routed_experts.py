@@ -137,3 +137,23 @@ def test_stack_slices_backward_equals_slicing_and_is_one_node_per_stack():
     names = [type(node).__name__ for node in nodes]
     assert names.count("StackSlicesBackward") == 3  # gate, up, down: one node each, whatever the number of groups
     assert not any(name.startswith("SliceBackward") for name in names)
+
+
+def test_stack_slices_run_only_where_a_gradient_may_flow_into_the_stacks(monkeypatch):
+    """Without a gradient to route into the stacks (no_grad, or the stacks frozen), the groups read plain views and
+    skip the autograd Function: the same outputs bit for bit, and the input's gradient unchanged."""
+    calls = []
+    forward = StackSlices.forward
+    monkeypatch.setattr(StackSlices, "forward", staticmethod(lambda ctx, *a: calls.append(1) or forward(ctx, *a)))
+    experts, idx = _experts(), _route(11, 4)
+    x = torch.randn(11, TINY.hidden_size, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    trained = experts(x, idx)
+    (x_grad,) = torch.autograd.grad(trained.square().sum(), x)
+    assert len(calls) == 3  # gate, up, down
+    with torch.no_grad():
+        assert torch.equal(experts(x, idx), trained)
+    experts.requires_grad_(False)
+    frozen = experts(x, idx)
+    assert torch.equal(frozen, trained)
+    assert torch.equal(torch.autograd.grad(frozen.square().sum(), x)[0], x_grad)
+    assert len(calls) == 3  # neither call went through StackSlices
