@@ -31,7 +31,7 @@ from k2lab.model.linear import linear
 
 from .eager_floor import check_supported, minimal_decode_step
 from .replay import HEAVY_OPS
-from .timing import alternate_threads, decode_step, weight_reads
+from .timing import alternate_threads, decode_step, prefilled, weight_reads
 from .vs_hf import BENCH, decode_matrices, table
 
 # The ops that read a weight matrix or the cache: the products (and fused attention) that benchmarks.replay replays.
@@ -70,12 +70,11 @@ def shrunk(cfg: K2Config, factor: int) -> K2Config:
 
 
 def floor_step(model: k2lab.K2Model, context: int) -> Callable[[], torch.Tensor]:
-    """A run of the eager floor's decode step of ``model`` after ``context`` random tokens."""
+    """A run of the eager floor's decode step of ``model`` after ``context`` random tokens (the prompt and token of
+    ``timing.decode_step``)."""
     check_supported(model)
-    cache = model.new_cache(1, capacity=context + 1)
-    model(torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)),
-          cache=cache)
-    return lambda: minimal_decode_step(model, cache, 5)
+    cache, token = prefilled(model, context)
+    return lambda: minimal_decode_step(model, cache, int(token))
 
 
 @torch.no_grad()

@@ -78,18 +78,24 @@ def matmul_rate(n: int = 2048, dtype=None, rounds: int = 5) -> float:
     return 2 * n**3 / seconds
 
 
-def decode_step(model, context: int, batch: int = 1, mode: Callable[[], object] | None = None
-                ) -> Callable[[], object]:
-    """A run of one decode step of ``batch`` random sequences after a prompt of ``context`` tokens (the model's call as
-    generate's loop makes it, inside ``mode()``, e.g. ``torch.inference_mode``, when given), returning its logits; the
-    cache is cropped back after each run, so every run sees the same context."""
+def prefilled(model, context: int, batch: int = 1) -> tuple[object, object]:
+    """A latent cache holding a prompt of ``context`` random tokens for ``batch`` sequences (room for one more), and
+    the next token of each [batch, 1]: what a timed decode step starts from."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
     cache = model.new_cache(batch, capacity=context + 1)
     with torch.no_grad():
         model(torch.randint(0, model.config.vocab_size, (batch, context), generator=gen), cache=cache)
-    token = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen)
+    return cache, torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen)
+
+
+def decode_step(model, context: int, batch: int = 1, mode: Callable[[], object] | None = None
+                ) -> Callable[[], object]:
+    """A run of one decode step of ``batch`` random sequences after a prompt of ``context`` tokens (the model's call as
+    generate's loop makes it, inside ``mode()``, e.g. ``torch.inference_mode``, when given), returning its logits; the
+    cache is cropped back after each run, so every run sees the same context."""
+    cache, token = prefilled(model, context, batch)
 
     def run():
         with mode() if mode is not None else contextlib.nullcontext():
