@@ -13,10 +13,12 @@ reported, and the load average is printed with them.
   prefill ratio that trimming everything else could give.
 - decode: one new token through each side's cache at a given context (k2lab's latent cache vs HF's
   ``past_key_values``), cropped back after every step so each timed step sees the same context. HF expands
-  the cached latents for the whole context every step; k2lab's absorbed path attends over them directly. Also
-  k2lab's step as ``k2lab.generate`` runs it, in inference mode (HF's generate runs its steps under no_grad, as
-  the plain calls here do), and as ``generate(compile=True)`` runs it: the model under ``torch.compile`` (compiled
-  in the untimed first round at each thread count, its logits checked against the eager step's first).
+  the cached latents for the whole context every step; k2lab's absorbed path attends over them directly. Every
+  plain call here runs under no_grad, as HF's generate runs its steps; k2lab's then runs its blocks in inference
+  mode once it has found that nothing observes the model (``K2Model.last_hidden_state``). Also k2lab's step as
+  ``k2lab.generate`` runs it, inside inference mode (which skips that check), and as ``generate(compile=True)`` runs
+  it: the model under ``torch.compile`` (compiled in the untimed first round at each thread count, its logits
+  checked against the eager step's first).
 - roofline: a decode step must read the active weights (attention, dense/shared/router, k experts per MoE
   layer, the head) and the cache; divided by the measured copy bandwidth that is the fastest possible step.
 - GEMV ceiling: the same matrices read by bare matrix-vector products, one call each and no model logic around
@@ -127,7 +129,7 @@ def prefill_flops(cfg: K2Config, tokens: int) -> float:
 def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[str, Callable[[], object]]:
     """One decode step at ``context`` cached tokens through each side's cache, cropped back after every step so
     each timed step sees the same context: HF, k2lab's default call (auto picks absorbed), k2lab naive, k2lab's
-    default call in inference mode (as ``k2lab.generate`` runs its steps; HF's generate runs under no_grad), the
+    default call inside inference mode (as ``k2lab.generate`` runs its steps; HF's generate runs under no_grad), the
     model compiled (as ``generate(compile=True)`` runs its steps), the same step hand-written with the fewest eager
     ops (``benchmarks.eager_floor``), and bare GEMVs over the step's matrices (F.linear, and k2lab's ``linear``). The
     compiled and hand-written steps are checked against the model's logits first."""

@@ -105,28 +105,34 @@ def test_moe_dispatch_times_pairs_against_the_same_experts_one_by_one(model):
     assert single.gate_proj is experts.gate_proj
 
 
-def test_generate_mode_times_the_same_generation_in_inference_mode_and_under_no_grad(model):
-    """benchmarks.generate_mode's contenders differ in exactly the mode their forwards run in: the same tokens, and
-    the same decode step at a cached context, which each leaves where it was."""
-    from benchmarks.generate_mode import decode_steps, generate_calls
+def test_generate_mode_times_the_same_calls_in_inference_mode_and_under_no_grad(model):
+    """benchmarks.generate_mode's contenders differ in exactly the mode the model's blocks run in: the same tokens, the
+    same decode step at a cached context (each leaves its cache where it was), and the same prefill."""
+    import k2lab.model.transformer as transformer
+    from benchmarks.generate_mode import checked, decode_steps, generate_calls, prefills
 
     modes = []
-    original = type(model).forward
+    rotary_and_mask = transformer.rotary_and_mask  # called once per forward, inside the mode the blocks run in
 
-    def spy(self, *args, **kwargs):
+    def spy(*args, **kwargs):
         modes.append(torch.is_inference_mode_enabled())
-        return original(self, *args, **kwargs)
+        return rotary_and_mask(*args, **kwargs)
 
     runs = generate_calls(model, 3)
-    steps = decode_steps(model, 20)
+    steps, prompts = checked(decode_steps(model, 20)), checked(prefills(model, 9))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(type(model), "forward", spy)
+        patch.setattr(transformer, "rotary_and_mask", spy)
         tokens = {name: run() for name, run in runs.items()}
         logits = {name: run() for name, run in steps.items()}
-    assert modes == [True] * 3 + [False] * 3 + [True, False]
+        prefilled = {name: run() for name, run in prompts.items()}
+    # generate: 3 forwards each way; the step: as generate runs it, as a plain no_grad call, observed; the prefill:
+    # plain, observed.
+    assert modes == [True] * 3 + [False] * 3 + [True, True, False] + [True, False]
     assert torch.equal(tokens["inference mode"], tokens["no_grad"])
-    torch.testing.assert_close(logits["inference mode"], logits["no_grad"], rtol=0, atol=0)
-    assert not model.is_observed()  # the no_grad contender's probe is gone after its call
+    for name in ("inference mode", "plain call"):
+        torch.testing.assert_close(logits[name], logits["no_grad"], rtol=0, atol=0)
+    torch.testing.assert_close(prefilled["plain call"], prefilled["no_grad"], rtol=0, atol=0)
+    assert not model.is_observed()  # the no_grad contenders' probe is gone after their calls
 
 
 def test_moe_dispatch_training_contenders_differ_only_in_how_the_stacks_gradients_are_built(model):

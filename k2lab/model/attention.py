@@ -109,7 +109,8 @@ class LatentCache:
         """Record which new positions hold real tokens ([B, T] bool) -> which of all S key positions do [B, S]."""
         cached = (self.token_mask[:, : self.length] if self.token_mask is not None
                   else new_tokens.new_ones(self.batch_size, self.length))
-        self.token_mask = torch.cat([cached.to(new_tokens.device), new_tokens], dim=1)
+        with torch.inference_mode(False):  # kept across calls: an ordinary tensor, whatever mode this call runs in
+            self.token_mask = torch.cat([cached.to(new_tokens.device), new_tokens], dim=1)
         return self.token_mask
 
     def latents(self, layer: int) -> torch.Tensor:

@@ -143,9 +143,9 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
         generator = torch.Generator(device=model.device).manual_seed(seed)
 
     # Inference mode skips autograd's bookkeeping on every op (version counters, view records), which no_grad keeps:
-    # a tenth to a fifth of K2-nano's generation on the CPU (docs/speed.md, "Generation in inference mode"). Its
-    # tensors can never enter autograd, so it is used only when no code but k2lab's and PyTorch's could keep one
-    # (model.is_observed()); the result is made outside it.
+    # a tenth to a fifth of K2-nano's generation on the CPU (docs/speed.md, "Inference mode"). Its tensors can never
+    # enter autograd, so it is used only when no code but k2lab's and PyTorch's could keep one (model.is_observed());
+    # the result is made outside it. Asked once here, the model's own calls inside it need not ask again.
     observed = not isinstance(model, HookedModule) or model.is_observed()
     if compile and observed:
         raise ValueError("compile=True runs each decode step as one compiled graph, where hooks, wrappers and "

@@ -135,7 +135,8 @@ class K2Model(HookedModule):
 
         ``loss_per_token=True`` makes the loss [B, T - 1]: position t scores token t + 1, 0 where excluded.
         ``attention_mask`` [B, T]: 1 for a token, 0 for a pad (see the module docstring). With a cache, positions
-        continue from what it holds and the new tokens' latents are appended to it.
+        continue from what it holds and the new tokens' latents are appended to it. Under no_grad with nothing
+        observing the model, the blocks run in inference mode (``last_hidden_state``); what is returned is ordinary.
         """
         if return_type not in ("logits", "loss", "both"):
             raise ValueError(f"return_type must be 'logits', 'loss' or 'both', got {return_type!r}")
@@ -176,7 +177,12 @@ class K2Model(HookedModule):
                           attn_impl: AttnImpl = "auto", *, attention_mask: torch.Tensor | None = None
                           ) -> torch.Tensor:
         """The forward up to the head: the final normalised residual [B, T, D] (``norm.hook_out``), which the
-        head turns into logits. Training feeds it to the head chunk by chunk (``k2lab.model.loss``)."""
+        head turns into logits. Training feeds it to the head chunk by chunk (``k2lab.model.loss``).
+
+        Under no_grad, when nothing observes the model (``is_observed``), the blocks run in inference mode, which
+        also skips the bookkeeping that no_grad keeps on every op (version counters, a record of each view; docs/
+        speed.md, "Inference mode"). The same arithmetic: the result is equal bit for bit, and it is copied out
+        as an ordinary tensor, as is all that the cache keeps."""
         if torch.compiler.is_compiling():  # a compiled training step: no hook runs the model inside it
             return self._hidden(input_ids, cache, attn_impl, attention_mask)
         if self._running:
@@ -185,7 +191,12 @@ class K2Model(HookedModule):
                                "you need first (run_with_cache), then run the edited forward")
         self._running = True
         try:
-            return self._hidden(input_ids, cache, attn_impl, attention_mask)
+            # Grad mode first: a training step never pays for the walk over the modules.
+            if torch.is_grad_enabled() or torch.is_inference_mode_enabled() or self.is_observed():
+                return self._hidden(input_ids, cache, attn_impl, attention_mask)
+            with torch.inference_mode():
+                hidden = self._hidden(input_ids, cache, attn_impl, attention_mask)
+            return hidden.clone()  # outside inference mode: an ordinary tensor, which autograd may save later
         finally:
             self._running = False
 

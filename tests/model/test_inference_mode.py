@@ -1,6 +1,7 @@
 """Inference mode: generate runs its forwards in it when nothing observes the model, and under no_grad when a hook
-does, so that what a hook keeps can still enter autograd; its result is an ordinary tensor either way. A latent
-cache filled in inference mode goes on working outside it."""
+does, so that what a hook keeps can still enter autograd; its result is an ordinary tensor either way. A plain call
+under no_grad switches to it the same way, and what it returns or leaves in the cache is ordinary. A latent cache
+filled in inference mode goes on working outside it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tiny import random_model
 import k2lab
 
 generate_module = importlib.import_module("k2lab.model.generate")  # the module (k2lab.model.generate is the function)
+transformer_module = importlib.import_module("k2lab.model.transformer")
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +146,54 @@ def test_a_rotary_table_first_made_in_inference_mode_stays_ordinary():
         cos, _ = rope.cos_sin(torch.arange(3, device="meta"))  # a device the table is not on yet
     assert cos.is_inference()  # what the call returns belongs to the call's mode
     assert not rope._on_device[torch.device("meta")].is_inference()
+
+
+def blocks_modes(call):
+    """call()'s result, and for each forward it made whether the model's blocks ran in inference mode."""
+    seen = []
+    rotary_and_mask = transformer_module.rotary_and_mask  # once per forward, in the mode the blocks run in
+
+    def spy(*args, **kwargs):
+        seen.append(torch.is_inference_mode_enabled())
+        return rotary_and_mask(*args, **kwargs)
+
+    with mock.patch.object(transformer_module, "rotary_and_mask", spy):
+        return call(), seen
+
+
+def test_an_unobserved_no_grad_call_runs_in_inference_mode_and_returns_ordinary_tensors(model, ids):
+    with torch.no_grad():
+        (logits, loss), seen = blocks_modes(lambda: model(ids, return_type="both"))
+        hidden, seen_hidden = blocks_modes(lambda: model.last_hidden_state(ids))
+    assert seen == seen_hidden == [True]
+    assert not any(t.is_inference() for t in (logits, loss, hidden))
+    # A teacher's logits are saved for the student's backward in distillation: an inference tensor could not be.
+    student = torch.zeros_like(logits, requires_grad=True)
+    (student * logits).sum().backward()
+    torch.testing.assert_close(student.grad, logits, rtol=0, atol=0)
+
+
+def test_observed_and_training_calls_stay_out_of_inference_mode_with_the_same_logits(model, ids):
+    with torch.no_grad():
+        fast, seen = blocks_modes(lambda: model(ids))
+        with model.hooks(fwd_hooks=[("hook_logits", lambda t, hook: None)]):
+            slow, seen_observed = blocks_modes(lambda: model(ids))
+    trained, seen_training = blocks_modes(lambda: model(ids))
+    assert (seen, seen_observed, seen_training) == ([True], [False], [False])
+    assert trained.requires_grad
+    assert torch.equal(fast, slow) and torch.equal(fast, trained.detach())
+
+
+def test_what_an_unobserved_no_grad_call_leaves_in_the_cache_stays_ordinary(model):
+    ids = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # row 0 left-padded
+    cache = model.new_cache(2, capacity=2)
+    with torch.no_grad():
+        _, seen = blocks_modes(lambda: model(ids, cache=cache, attention_mask=mask))  # grows the buffers: 2 -> 6
+    assert seen == [True]
+    assert not cache.token_mask.is_inference() and not any(b.is_inference() for b in cache._buffers)
+    cache.token_mask[1, 0] = False  # hide a cached position by hand: in place, which an inference tensor refuses
+    logits = model(ids[:, -1:], cache=cache)  # a decode step with autograd on, through what the call left
+    logits.sum().backward()
+    assert model.lm_head.weight.grad is not None
+    model.zero_grad(set_to_none=True)
