@@ -1,7 +1,7 @@
 """The heavy kernels of a call, replayed alone: a floor for what any implementation built on the same kernels
 can reach.
 
-``heavy_kernels(fn)`` runs ``fn`` once under a dispatch mode that records every matrix product and fused
+``heavy_kernels(fn)`` runs ``fn`` once under a dispatch mode (``AtenOps``) that records every matrix product and fused
 attention call (the op, its input tensors and arguments) and returns a function that re-issues exactly those
 calls, with the same inputs, and nothing else: no norms, rotations, routing, gathers, copies, module or Python
 logic. Timing it beside ``fn`` says how much of ``fn`` those kernels are; timing it against another
@@ -21,16 +21,33 @@ HEAVY_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm
              aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default}
 
 
-class _Recorder(TorchDispatchMode):
+class AtenOps(TorchDispatchMode):
+    """A dispatch mode that sees every aten op a call runs, whichever mode the call runs in. Under no_grad, autograd's
+    key splits a composite op (``linear``, ``matmul``, ``scaled_dot_product_attention``) into the ops it runs before a
+    mode sees them; inference mode skips that key and hands the composite over whole, so it is split here, with this
+    mode watching. ``seen`` is told of each op that runs a kernel of its own."""
+
+    def seen(self, func, args: tuple, kwargs: dict) -> None:
+        raise NotImplementedError
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with self:
+            parts = func.decompose(*args, **kwargs)  # NotImplemented unless func is a composite
+        if parts is not NotImplemented:
+            return parts
+        self.seen(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _Recorder(AtenOps):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[object, tuple, dict]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def seen(self, func, args: tuple, kwargs: dict) -> None:
         if func in HEAVY_OPS:
             self.calls.append((func, args, kwargs))
-        return func(*args, **kwargs)
 
 
 @torch.no_grad()

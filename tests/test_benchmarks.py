@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny import GROUPED, TINY, random_model, token_ids
 
 from benchmarks.eager_floor import check_supported, minimal_decode_step
@@ -52,6 +53,25 @@ def test_a_replay_reissues_the_recorded_kernels_on_the_same_inputs_and_nothing_e
     assert seen == [1]
     torch.testing.assert_close(product, a @ b)  # the bare product: the addition and relu are not replayed
     torch.testing.assert_close(batched, torch.bmm(v, v.transpose(1, 2)))
+
+
+def test_a_replay_and_an_op_count_see_the_same_kernels_in_inference_mode_as_under_no_grad():
+    """Inference mode hands composite ops (linear, matmul, attention) to a dispatch mode whole, where no_grad has split
+    them into the kernels they run; the model's plain calls run in inference mode, so replay and op_cost split them."""
+    from benchmarks.op_cost import op_counts
+
+    x, w, q = torch.randn(2, 8), torch.randn(4, 8), torch.randn(1, 2, 4, 8)
+
+    def call():
+        return F.linear(x, w), torch.matmul(x, w.T), F.scaled_dot_product_attention(q, q, q)
+
+    seen = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            _, count = heavy_kernels(call)
+            seen.append((count, op_counts(call)))
+    assert seen[0] == seen[1]
+    assert seen[0][0] == 3 and seen[0][1]["mm"] == 2 and seen[0][1]["_scaled_dot_product_flash_attention_for_cpu"] == 1
 
 
 def test_a_replay_of_a_call_without_kernels_is_refused():
