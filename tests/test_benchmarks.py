@@ -176,15 +176,14 @@ def test_moe_dispatch_training_contenders_differ_only_in_how_the_stacks_gradient
 
 def bmm_operands(run) -> set[tuple]:
     """(shape, innermost two strides) of both operands of every bmm ``run`` issues."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from benchmarks.replay import AtenOps
 
     seen = set()
 
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    class Record(AtenOps):
+        def seen(self, func, args: tuple, kwargs: dict) -> None:
             if func is torch.ops.aten.bmm.default:
                 seen.add(tuple((tuple(a.shape), a.stride()[-2:]) for a in args))
-            return func(*args, **(kwargs or {}))
 
     with Record():
         run()

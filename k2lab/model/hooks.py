@@ -168,6 +168,8 @@ class HookedModule(nn.Module):
         if (getattr(torch.nn.modules.module, "_global_forward_hooks", None)
                 or getattr(torch.nn.modules.module, "_global_forward_pre_hooks", None)):
             return True
+        # A walk of its own rather than self.modules(), whose memo set and path names make it about half again as slow
+        # (0.3 against 0.2 ms for the benchmark model, ad hoc), on the path of every no_grad call.
         stack: list[nn.Module] = [self]
         while stack:
             module = stack.pop()
