@@ -1,7 +1,7 @@
 """Prefill and decode: k2lab against HF transformers' DeepseekV3 on the same random weights, float32, CPU,
 and against the machine's own limits measured in the same run, at one thread and at all cores.
 
-    python -m benchmarks.vs_hf [--prefill 512] [--contexts 512 4096] [--rounds 7] [--threads 1 2]
+    python -m benchmarks.vs_hf [--prefill 512] [--contexts 512 4096] [--rounds 7] [--decode-rounds N] [--threads 1 2]
 
 Every figure is timed at each thread count within one process (torch.set_num_threads), the thread counts and
 the contenders alternating round by round so that a busy, shared machine slows each alike; medians are
@@ -195,9 +195,16 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--decode-rounds", type=int, default=None,
+                        help="rounds of the decode steps (default: --rounds, at least 9). A round of steps takes about "
+                             "a second here, a round of prefills several: more decode rounds narrow the decode "
+                             "medians for little time")
     parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
                         help="thread counts to compare (default: 1 and all cores)")
     args = parser.parse_args()
+    decode_rounds = max(args.rounds, 9) if args.decode_rounds is None else args.decode_rounds
+    if args.rounds < 1 or decode_rounds < 1:
+        parser.error(f"--rounds and --decode-rounds must be at least 1, got {args.rounds} and {decode_rounds}")
     warnings.filterwarnings("ignore")
     threads = args.threads
     load_before = os.getloadavg()
@@ -207,7 +214,8 @@ def main() -> None:
     check_supported(ours)
     gen = torch.Generator().manual_seed(0)
     print(f"config: {cfg.num_hidden_layers} layers, {cfg.hidden_size} wide, {cfg.n_routed_experts} experts "
-          f"top-{cfg.num_experts_per_tok}, float32; threads {threads}; {args.rounds} rounds, medians")
+          f"top-{cfg.num_experts_per_tok}, float32; threads {threads}; {args.rounds} rounds of prefill, "
+          f"{decode_rounds} of decode steps, medians")
 
     ids = torch.randint(0, cfg.vocab_size, (1, args.prefill), generator=gen)
     kernels, _ = heavy_kernels(lambda: ours(ids))
@@ -219,7 +227,7 @@ def main() -> None:
         "absorbed": lambda: ours(ids, attn_impl="absorbed"),
         "copy": tensor_copy(COPY_BYTES),
     }, threads, args.rounds)
-    decode = {context: alternate_threads(decode_steps(ref, ours, context, gen), threads, max(args.rounds, 9))
+    decode = {context: alternate_threads(decode_steps(ref, ours, context, gen), threads, decode_rounds)
               for context in args.contexts}
     for t in decode.values():  # the ceiling: the faster way to run the bare GEMVs
         t.update({("ceiling", n): min(t["gemv", n], t["gemv split", n]) for n in threads})
