@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import GROUPED, TINY, random_model, token_ids
+from tiny import GROUPED, TINY, blocks_modes, random_model, token_ids
 
 from benchmarks.eager_floor import check_supported, minimal_decode_step
 from benchmarks.replay import heavy_kernels
@@ -128,23 +128,20 @@ def test_moe_dispatch_times_pairs_against_the_same_experts_one_by_one(model):
 def test_generate_mode_times_the_same_calls_in_inference_mode_and_under_no_grad(model):
     """benchmarks.generate_mode's contenders differ in exactly the mode the model's blocks run in: the same tokens, the
     same decode step at a cached context (each leaves its cache where it was), and the same prefill."""
-    import k2lab.model.transformer as transformer
     from benchmarks.generate_mode import checked, decode_steps, generate_calls, prefills
-
-    modes = []
-    rotary_and_mask = transformer.rotary_and_mask  # called once per forward, inside the mode the blocks run in
-
-    def spy(*args, **kwargs):
-        modes.append(torch.is_inference_mode_enabled())
-        return rotary_and_mask(*args, **kwargs)
 
     runs = generate_calls(model, 3)
     steps, prompts = checked(decode_steps(model, 20)), checked(prefills(model, 9))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformer, "rotary_and_mask", spy)
-        tokens = {name: run() for name, run in runs.items()}
-        logits = {name: run() for name, run in steps.items()}
-        prefilled = {name: run() for name, run in prompts.items()}
+    modes = []  # whether the blocks ran in inference mode, forward by forward, over all the calls in turn
+
+    def results(calls):
+        out = {}
+        for name, run in calls.items():
+            out[name], seen = blocks_modes(run)
+            modes.extend(seen)
+        return out
+
+    tokens, logits, prefilled = results(runs), results(steps), results(prompts)
     # generate: 3 forwards each way; the step: as generate runs it, as a plain no_grad call, observed; the prefill:
     # plain, observed.
     assert modes == [True] * 3 + [False] * 3 + [True, True, False] + [True, False]

@@ -55,6 +55,23 @@ def micro_model(seed: int = 0) -> K2Model:
     return model.eval()
 
 
+def blocks_modes(call: Callable[[], object]) -> tuple[object, list[bool]]:
+    """call()'s result, and for each forward it made whether the model's blocks ran in inference mode (read where every
+    forward builds its rotary table and mask, once, inside the mode its blocks run in)."""
+    import k2lab.model.transformer as transformer
+
+    seen = []
+    rotary_and_mask = transformer.rotary_and_mask
+
+    def spy(*args, **kwargs):
+        seen.append(torch.is_inference_mode_enabled())
+        return rotary_and_mask(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformer, "rotary_and_mask", spy)
+        return call(), seen
+
+
 def attached(model: K2Model) -> int:
     """How many forward and backward hook functions are attached across all of model's hook points."""
     return sum(len(model.hook_point(n).fns) + len(model.hook_point(n).bwd_fns) for n in model.hook_names())

@@ -10,12 +10,11 @@ from unittest import mock
 
 import pytest
 import torch
-from tiny import random_model
+from tiny import blocks_modes, random_model
 
 import k2lab
 
 generate_module = importlib.import_module("k2lab.model.generate")  # the module (k2lab.model.generate is the function)
-transformer_module = importlib.import_module("k2lab.model.transformer")
 
 
 @pytest.fixture(scope="module")
@@ -146,19 +145,6 @@ def test_a_rotary_table_first_made_in_inference_mode_stays_ordinary():
         cos, _ = rope.cos_sin(torch.arange(3, device="meta"))  # a device the table is not on yet
     assert cos.is_inference()  # what the call returns belongs to the call's mode
     assert not rope._on_device[torch.device("meta")].is_inference()
-
-
-def blocks_modes(call):
-    """call()'s result, and for each forward it made whether the model's blocks ran in inference mode."""
-    seen = []
-    rotary_and_mask = transformer_module.rotary_and_mask  # once per forward, in the mode the blocks run in
-
-    def spy(*args, **kwargs):
-        seen.append(torch.is_inference_mode_enabled())
-        return rotary_and_mask(*args, **kwargs)
-
-    with mock.patch.object(transformer_module, "rotary_and_mask", spy):
-        return call(), seen
 
 
 def test_an_unobserved_no_grad_call_runs_in_inference_mode_and_returns_ordinary_tensors(model, ids):
