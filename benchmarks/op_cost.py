@@ -5,13 +5,16 @@
 On ``benchmarks.vs_hf``'s model at 512 context, timed in alternating rounds: the model's decode step (the plain
 call), the eager floor (``benchmarks.eager_floor``: the same step hand-written with the fewest ops), the bare GEMVs
 over the step's matrices (the ceiling, taken as vs_hf takes it: the faster of F.linear and k2lab's split
-``linear``), and the eager floor on a copy of the model shrunk until its weights fit in the cache (every width
-divided by 8; the same layers, experts, top-k and context). Each step's ops are counted with a dispatch mode,
-products with a weight or the cache apart. What a step costs beyond the ceiling, over the ops it issues besides its
-products, is what one of those ops costs inside it; the shrunk floor's whole time over all its ops is what an op
-costs with no weight stream between them. A step reaches the ceiling target (80%) only if everything but its
-products costs at most a quarter of the GEMVs' time: the last row divides that allowance by the floor's cost per op,
-the most ops such a step could issue, against the floor's and the model's counts.
+``linear``), and three steps of a copy of the model shrunk until its weights fit in the cache (every width divided by
+8; the same layers, experts, top-k and context): the eager floor, the model's step, and the step as ``generate`` runs
+it (inside inference mode, where the model does not walk its modules to ask whether anything observes it). Each
+step's ops are counted with a dispatch mode, products with a weight or the cache apart. What a step costs beyond the
+ceiling, over the ops it issues besides its products, is what one of those ops costs inside it. A shrunk step's whole
+time over all its ops is what an op costs with no weight stream between them: the shrunk floor's against the shrunk
+model's says whether the model's ops each cost more than the floor's, or whether there are only more of them. A step
+reaches the ceiling target (80%) only if everything but its products costs at most a quarter of the GEMVs' time: the
+last row divides that allowance by the floor's cost per op, the most ops such a step could issue, against the floor's
+and the model's counts.
 """
 
 from __future__ import annotations
@@ -86,10 +89,11 @@ def main() -> None:
     torch.manual_seed(0)
     model, small = k2lab.K2Model(BENCH).eval(), k2lab.K2Model(shrunk(BENCH, 8)).eval()
     runs = {"step": decode_step(model, CONTEXT), "floor": floor_step(model, CONTEXT),
-            "shrunk floor": floor_step(small, CONTEXT),
+            "shrunk floor": floor_step(small, CONTEXT), "shrunk step": decode_step(small, CONTEXT),
+            "shrunk generate step": decode_step(small, CONTEXT, mode=torch.inference_mode),
             "gemv": weight_reads(F.linear, decode_matrices(BENCH, CONTEXT))[0],
             "gemv split": weight_reads(linear, decode_matrices(BENCH, CONTEXT))[0]}
-    counts = {name: op_counts(runs[name]) for name in ("step", "floor", "shrunk floor")}
+    counts = {name: op_counts(runs[name]) for name in runs if not name.startswith("gemv")}
     load_before = os.getloadavg()
     t = alternate_threads(runs, threads, args.rounds)
     t.update({("ceiling", n): min(t["gemv", n], t["gemv split", n]) for n in threads})  # as vs_hf takes it
@@ -104,9 +108,11 @@ def main() -> None:
     for key, name in (("step", "the model's step"), ("floor", "the eager floor")):
         rows.append((f"{name}: ops besides products ({small_ops(counts[key])} of {sum(counts[key].values())}); "
                      "time beyond the GEMVs per op (us)", "", [f"{per_op(key, n) * 1e6:.1f}" for n in threads]))
-    shrunk_ops = sum(counts["shrunk floor"].values())
-    rows.append((f"the eager floor, every width / 8, weights in cache ({shrunk_ops} ops): time per op (us)", "",
-                 [f"{t['shrunk floor', n] / shrunk_ops * 1e6:.1f}" for n in threads]))
+    for key, name in (("shrunk floor", "the eager floor"), ("shrunk step", "the model's step"),
+                      ("shrunk generate step", "the model's step as generate runs it")):
+        ops = sum(counts[key].values())
+        rows.append((f"{name}, every width / 8, weights in cache ({ops} ops): time per op (us)", "",
+                     [f"{t[key, n] / ops * 1e6:.1f}" for n in threads]))
     rows.append((f"ops besides products a step could issue at {CEILING_TARGET:.0%} of the ceiling, at the floor's "
                  "cost per op", "",
                  [f"{t['ceiling', n] * (1 / CEILING_TARGET - 1) / per_op('floor', n):.0f}" for n in threads]))
