@@ -88,12 +88,12 @@ def main() -> None:
     threads = args.threads
     torch.manual_seed(0)
     model, small = k2lab.K2Model(BENCH).eval(), k2lab.K2Model(shrunk(BENCH, 8)).eval()
-    runs = {"step": decode_step(model, CONTEXT), "floor": floor_step(model, CONTEXT),
-            "shrunk floor": floor_step(small, CONTEXT), "shrunk step": decode_step(small, CONTEXT),
-            "shrunk generate step": decode_step(small, CONTEXT, mode=torch.inference_mode),
-            "gemv": weight_reads(F.linear, decode_matrices(BENCH, CONTEXT))[0],
+    steps = {"step": decode_step(model, CONTEXT), "floor": floor_step(model, CONTEXT),
+             "shrunk floor": floor_step(small, CONTEXT), "shrunk step": decode_step(small, CONTEXT),
+             "shrunk generate step": decode_step(small, CONTEXT, mode=torch.inference_mode)}
+    counts = {name: op_counts(run) for name, run in steps.items()}
+    runs = {**steps, "gemv": weight_reads(F.linear, decode_matrices(BENCH, CONTEXT))[0],
             "gemv split": weight_reads(linear, decode_matrices(BENCH, CONTEXT))[0]}
-    counts = {name: op_counts(runs[name]) for name in runs if not name.startswith("gemv")}
     load_before = os.getloadavg()
     t = alternate_threads(runs, threads, args.rounds)
     t.update({("ceiling", n): min(t["gemv", n], t["gemv split", n]) for n in threads})  # as vs_hf takes it
