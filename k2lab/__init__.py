@@ -3,6 +3,7 @@
 The package's rooms, in the direction data flows:
 
     config.py    K2Config: the architecture only
+    hf_config.py config.json <-> K2Config, the architecture's part of it
     model/       the modules, probes and decoding          (config -> model)
     weights/     checkpoints, stored formats, placement    (weights -> model)
     analysis/    activation cache, routing, interventions, accounting   (model -> analysis)
@@ -10,6 +11,7 @@ The package's rooms, in the direction data flows:
     tokenizer/   K2's tokenizer and chat layout
     training/    K2's recipe on a small model
     lab/         the notebooks' settings and the bundled K2-nano
+    bundled.py   where the package data (K2-nano) lies, for the lab and training alike
 """
 
 from importlib import import_module

@@ -220,18 +220,19 @@ class K2Config:
             raise ValueError(f"K2Config has no field(s) {sorted(unknown)}")
         return dataclasses.replace(self, **changes)
 
-    # ---- HF interop (the translation lives in k2lab.weights.hf_config) ---------------------------------------
+    # ---- HF interop (the translation lives in k2lab.hf_config) -----------------------------------------------
     @classmethod
     def from_hf(cls, source: str | Path | dict) -> K2Config:
         """Read a HF ``config.json`` (a path to the file or its folder, or the parsed dict); see
-        ``k2lab.weights.hf_config.config_from_hf`` for what is accepted and what is refused by name."""
-        from .weights.hf_config import config_from_hf  # config is upstream of weights: import on use
+        ``k2lab.hf_config.config_from_hf`` for what is accepted and what is refused by name. The architecture
+        only: how the weights are stored (``quantization_config``) is ``k2lab.weights.reader.read_config``'s."""
+        from .hf_config import config_from_hf  # hf_config imports this module: import on use
 
         return config_from_hf(source)
 
     def to_hf(self) -> dict[str, Any]:
         """This config as a HF DeepseekV3 ``config.json`` dict (HF 5 style, ``rope_parameters``)."""
-        from .weights.hf_config import config_to_hf
+        from .hf_config import config_to_hf
 
         return config_to_hf(self)
 

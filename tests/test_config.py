@@ -9,9 +9,9 @@ import pytest
 
 from k2lab import K2Config, K2Model
 from k2lab.model.rope import cos_sin_scale, inverse_frequencies, yarn_correction_range, yarn_ramp
-from k2lab.weights.hf_config import read_config
 from k2lab.weights.quant import UNQUANTIZED
 from k2lab.weights.quant.fp8 import FP8Format
+from k2lab.weights.reader import read_config
 
 RELEASED = Path(__file__).parent / "data" / "kimi_k2_instruct_config.json"
 
@@ -88,7 +88,6 @@ def test_deepseek_v3_style_config():
         ({"num_key_value_heads": 8}, "num_key_value_heads"),
         ({"model_type": "llama"}, "model_type"),
         ({"sliding_attention_window_size": 4096}, "sliding_attention_window_size"),
-        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
         ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, "longrope"),
         ({"n_group": 5}, "n_group"),
         ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
@@ -98,6 +97,13 @@ def test_deepseek_v3_style_config():
 def test_unsupported_or_malformed_config_is_refused_by_name(change, named):
     with pytest.raises(ValueError, match=named):
         K2Config.from_hf(released() | change)
+
+
+def test_the_stored_format_is_the_weights_business_not_the_architectures():
+    awq = released() | {"quantization_config": {"quant_method": "awq"}}
+    assert K2Config.from_hf(awq) == K2Config.kimi_k2()  # the architecture reads; how weights are stored is apart
+    with pytest.raises(ValueError, match="quantization_config"):
+        read_config(awq)  # the checkpoint's reader refuses a format k2lab does not implement
 
 
 def test_missing_and_broken_files(tmp_path):

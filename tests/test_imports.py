@@ -1,12 +1,14 @@
 """The import boundaries: data flows config -> model -> analysis -> viz and weights -> model, so the model package
-imports no checkpoint, hub, tokenizer or figure library, ``import k2lab`` loads no figure library, and
-``k2lab.viz`` brings plotly when it is asked for. Each check runs in a fresh interpreter."""
+imports no checkpoint, hub, tokenizer or figure library, the config and its HF translation no checkpoint code,
+training nothing of the lab, ``import k2lab`` loads no figure library, and ``k2lab.viz`` brings plotly when it is
+asked for. Each check runs in a fresh interpreter."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 FIGURES = ["plotly", "ipywidgets"]
 CHECKPOINTS_AND_TEXT = ["safetensors", "huggingface_hub", "tokenizers"]
@@ -41,3 +43,48 @@ def test_import_k2lab_loads_no_figure_library_and_its_names_load_on_use():
 def test_k2lab_viz_brings_plotly():
     modules = _modules_after("import k2lab.viz")
     assert "plotly" in modules and "k2lab.viz" in modules
+
+
+def _imported_modules(path, root) -> set[str]:
+    """Every module an ``import`` statement in the file ``path`` names, wherever it stands (in a function, under
+    TYPE_CHECKING), relative imports resolved against its package (``root``: the k2lab folder)."""
+    import ast
+
+    package = ".".join(path.relative_to(root.parent).parts[:-1])  # k2lab.model for k2lab/model/moe.py
+    names = set()
+    for node in ast.walk(ast.parse(Path(path).read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            names.add(".".join([*base, *([node.module] if node.module else [])]))
+    return names
+
+
+def test_no_back_doors_between_the_layers():
+    """The model imports no analysis, weights, tokenizer or figure code, not even inside a function; the config no
+    weights code; training no lab code."""
+    from pathlib import Path
+
+    import k2lab
+
+    root = Path(k2lab.__file__).parent
+    rules = [(root / "model", ["k2lab.analysis", "k2lab.weights", "k2lab.tokenizer", "k2lab.viz", "k2lab.lab"]),
+             (root / "config.py", ["k2lab.weights"]), (root / "training", ["k2lab.lab"])]
+    for place, forbidden in rules:
+        for path in [place] if place.is_file() else sorted(place.rglob("*.py")):
+            imported = _imported_modules(path, root)
+            bad = sorted(m for m in imported if any(m == f or m.startswith(f + ".") for f in forbidden))
+            assert bad == [], f"{path.relative_to(root)} imports {bad}"
+
+
+def test_a_forward_a_probe_run_and_generate_load_no_code_beyond_the_model():
+    modules = _modules_after(
+        "import torch\nfrom k2lab.config import K2Config\nfrom k2lab.model import K2Model, generate\n"
+        "model = K2Model(K2Config.nano())\nids = torch.tensor([[1, 2, 3, 4]])\nmodel(ids)\n"
+        "model(ids, return_type='loss').backward()\nlogits, cache = model.run_with_cache(ids)\n"
+        "cache.decompose_resid(); cache.logit_lens()\ngenerate(model, ids, 3)\n"
+        "model(ids[:, :1], cache=model.new_cache(1))")
+    assert "k2lab.model.activation_cache" in modules  # the check did run the probes
+    assert _loaded(modules, ["k2lab.analysis", "k2lab.weights", "k2lab.tokenizer", "k2lab.viz", "k2lab.lab"]) == []
+    assert _loaded(modules, FIGURES + CHECKPOINTS_AND_TEXT) == []

@@ -38,7 +38,7 @@ def experts_one_at_a_time(model: K2Model) -> K2Model:
     for layer in model.layers:
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None:
-            experts.pairs_in_place = False
+            experts.stacked = False
     return model
 
 
@@ -58,17 +58,15 @@ def micro_model(seed: int = 0) -> K2Model:
 def blocks_modes(call: Callable[[], object]) -> tuple[object, list[bool]]:
     """call()'s result, and for each forward it made whether the model's blocks ran in inference mode (read where every
     forward builds its rotary table and mask, once, inside the mode its blocks run in)."""
-    import k2lab.model.transformer as transformer
-
     seen = []
-    rotary_and_mask = transformer.rotary_and_mask
+    rotary_and_mask = K2Model.rotary_and_mask
 
     def spy(*args, **kwargs):
         seen.append(torch.is_inference_mode_enabled())
         return rotary_and_mask(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformer, "rotary_and_mask", spy)
+        patch.setattr(K2Model, "rotary_and_mask", spy)
         return call(), seen
 
 

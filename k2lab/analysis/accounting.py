@@ -84,14 +84,15 @@ def attention_parameters(cfg: K2Config) -> int:
     return sum(spec.numel for spec in layer_tensors(cfg, 0) if spec.component == "attention")
 
 
-def weight_bytes(cfg: K2Config, fp8: bool = True, dtype: torch.dtype = torch.bfloat16, scales: bool = False, *,
-                 format: QuantFormat | str | None = None) -> int:
-    """Bytes of all weights as stored. ``fp8=True``: the release's FP8 matrices, embedding, head, norms and router in
-    ``dtype`` (958.3 GiB for K2; block scales excluded unless ``scales=True``); ``fp8=False``: everything in
-    ``dtype``. ``format`` (a QuantFormat or a name: ``"fp8"``, ``"int4"``, ``"unquantized"``) overrides ``fp8``."""
+def weight_bytes(cfg: K2Config, format: QuantFormat | str = "fp8", dtype: torch.dtype = torch.bfloat16,
+                 scales: bool = False) -> int:
+    """Bytes of all weights as stored in ``format`` (a QuantFormat or a name). ``"fp8"``: the release's FP8
+    matrices, embedding, head, norms and router in ``dtype`` (958.3 GiB for K2; block scales excluded unless
+    ``scales=True``); ``"int4"``: K2-Thinking's packed experts, the rest in ``dtype``; ``"unquantized"``: everything
+    in ``dtype``."""
     _check_cfg(cfg)
     _check_dtype(dtype)
-    fmt = resolve_format(format, fp8)
+    fmt = resolve_format(format)
     return sum(fmt.tensor_bytes(spec, dtype, scales) for spec in checkpoint_tensors(cfg))
 
 

@@ -38,13 +38,22 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ..model.moe import allowed_experts, group_best, select_experts  # noqa: F401 - the router's own rule, re-exported
+from ..model.moe import allowed_experts, group_best  # noqa: F401 - the router's own rule, re-exported
 from ..model.transformer import K2Model
 
 if TYPE_CHECKING:
-    from .cache import ActivationCache
+    from ..model.activation_cache import ActivationCache
 
 _GATE_PROBES = ("hook_scores", "hook_choice_scores", "hook_topk_idx", "hook_topk_weights")
+
+
+def select_experts(choice: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1,
+                   best: int = 2) -> torch.Tensor:
+    """[..., k] the experts the router's stage 4 picks from choice scores [..., E], best first: top-k among the
+    experts of the ``topk_group`` best groups (``Router.forward``'s rule, for scores the router did not make)."""
+    if n_group > 1:
+        choice = choice.masked_fill(~allowed_experts(choice, n_group, topk_group, best), -torch.inf)
+    return choice.topk(top_k, dim=-1).indices
 
 
 def moe_layers(model: K2Model) -> list[int]:
@@ -136,7 +145,7 @@ def trace(model: K2Model, input_ids: torch.Tensor, **forward_kwargs) -> RoutingT
     wanted = lambda name: ".mlp.gate." in name and name.endswith(_GATE_PROBES)
     mask = forward_kwargs.pop("attention_mask", None)
     if isinstance(model, K2Model):  # text is tokenized here, as the model would, to keep the pad mask it makes
-        input_ids, mask = model._ids_and_mask(input_ids, mask)
+        input_ids, mask = model.check_input(input_ids, mask)
     if mask is not None:
         forward_kwargs["attention_mask"] = mask
     _, cache = model.run_with_cache(input_ids, names=wanted, **forward_kwargs)

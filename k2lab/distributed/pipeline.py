@@ -37,14 +37,14 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from ..analysis.cache import ActivationCache
 from ..config import K2Config
+from ..model.activation_cache import ActivationCache
 from ..model.attention import ATTN_IMPLS, AttnImpl, LatentCache
 from ..model.generate import generate
 from ..model.hooks import HookPoint, Hooks, NameFilter, one_selector
-from ..model.transformer import K2Model, check_attention_mask, rotary_and_mask
+from ..model.transformer import K2Model, check_attention_mask
 from ..weights.load import load, read_source_config
-from ..weights.placement import Plan, _describe, device_capacity, plan, unit_keys, unit_of
+from ..weights.placement import Plan, describe_units, device_capacity, plan, unit_keys, unit_of
 from ..weights.quant import UNQUANTIZED
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # a rank may wait this long for a slower rank's load (60 GB from disk)
@@ -93,7 +93,8 @@ def stage_map(cfg: K2Config, world_size: int, stages: Mapping[str, int]) -> dict
 
 
 def _describe_stages(stages: Mapping[str, int], world_size: int) -> str:
-    return "\n".join(f"rank {r}: {_describe([u for u, s in stages.items() if s == r])}" for r in range(world_size))
+    return "\n".join(f"rank {r}: {describe_units([u for u, s in stages.items() if s == r])}"
+                     for r in range(world_size))
 
 
 def _capacity(device: torch.device) -> int:
@@ -111,8 +112,8 @@ class PipelinedK2:
 
     def __init__(self, path_or_repo_id: str | Path, dtype: torch.dtype | None = None,
                  devices: Sequence[int] | None = None, stages: Mapping[str, int] | None = None, **load_kwargs):
-        """path_or_repo_id, dtype and ``load_kwargs`` (num_layers, expert_budget_bytes, fp8_resident, revision,
-        progress) as for ``k2lab.load``; ``device_map`` is this class's to set.
+        """path_or_repo_id, dtype and ``load_kwargs`` (num_layers, expert_budget_bytes, quantized_resident,
+        revision, progress) as for ``k2lab.load``; ``device_map`` is this class's to set.
 
         devices: each rank's capacity in bytes, one per rank, for ``plan``. Default: each rank's free GPU memory
             (the machine's memory for CPU ranks), gathered so that every rank computes the same plan.
@@ -136,7 +137,7 @@ class PipelinedK2:
                 raise ValueError(f"devices must give one capacity in bytes per rank ({self.world_size}), "
                                  f"got {devices!r}")
             # load's default: quantized matrices stay quantized on GPUs only
-            resident = load_kwargs.get("quantized_resident", load_kwargs.get("fp8_resident"))
+            resident = load_kwargs.get("quantized_resident")
             keeps = resident if resident is not None else self.device.type != "cpu"
             placed = plan(cfg, capacities, format=fmt if keeps else UNQUANTIZED, dtype=dtype or torch.bfloat16,
                           expert_budget_bytes=load_kwargs.get("expert_budget_bytes"))
@@ -192,7 +193,7 @@ class PipelinedK2:
         """input_ids [B, T] -> float32 logits [B, T, V] on every rank, with ``K2Model.forward``'s semantics: a
         ``cache`` from ``pm.new_cache`` continues from its length; ``attention_mask`` [B, T] (1 = token, 0 = pad)
         hides the pads and gives them no position."""
-        ids = self.model._check_input(input_ids, cache)  # the same checks on every rank; on meta but on rank 0
+        ids, _ = self.model.check_input(input_ids, None, cache, attn_impl)  # the same checks on every rank
         mask = check_attention_mask(attention_mask, *ids.shape) if attention_mask is not None else None
         logits = self._stage_forward(ids, mask, cache, attn_impl)  # the last rank's only
         if not self.is_last:
@@ -205,31 +206,21 @@ class PipelinedK2:
         """This rank's part of one forward of checked ids [B, T] (read on rank 0 only, their shape elsewhere):
         the logits [B, T, V] on the last rank, None elsewhere. Every rank builds the rotary table and the mask from
         ``attention_mask`` [B, T] bool and its own cache, as ``K2Model`` does."""
-        m = self.model
-        if m._running:
-            raise RuntimeError("the pipeline was called from a hook while its own forward is running: this would "
-                               "recurse without end and mix up the messages between ranks. Record what you need "
-                               "first (run_with_cache), then run the edited forward")
-        m._running = True  # the model's own guard, so a hook calling pm.model(...) is refused as well
-        try:
-            B, T = ids.shape
-            cos, sin, attn_mask = rotary_and_mask(m.rotary_emb, attention_mask, cache, B, T, self.device)
-            if self.rank == 0:
-                x = m.embed_tokens.hook_out(m.embed_tokens(ids.to(self.device)))  # [B, T, D]
-            else:
-                x = torch.empty(B, T, self.config.hidden_size, dtype=self.dtype, device=self.device)
-                dist.recv(x, src=self.rank - 1)  # the residual after the previous stage's blocks
-            for i in self.blocks:
-                x = m.layers[i](x, m.rotary_emb, cos, sin, cache, attn_impl, attn_mask)
-            if cache is not None:
-                cache.advance(T)
-            if not self.is_last:
-                dist.send(x.contiguous(), dst=self.rank + 1)
-                self.bytes_sent += x.nelement() * x.element_size()
-                return None
-            return m.hook_logits(m.lm_head(m.norm.hook_out(m.norm(x))).float())  # [B, T, V]
-        finally:
-            m._running = False
+        m, (B, T) = self.model, ids.shape
+        if self.rank == 0:
+            x = m.embed(ids.to(self.device))  # [B, T, D]
+        else:
+            x = torch.empty(B, T, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(x, src=self.rank - 1)  # the residual after the previous stage's blocks
+        if self.blocks:  # the model's own steps, over this stage's blocks; the last stage's advance the cache
+            x = m.run_blocks(x, attention_mask, cache, attn_impl, start=self.blocks[0], stop=self.blocks[-1] + 1)
+        if cache is not None and (not self.blocks or self.blocks[-1] + 1 < len(m.layers)):
+            cache.advance(T)
+        if not self.is_last:
+            dist.send(x.contiguous(), dst=self.rank + 1)
+            self.bytes_sent += x.nelement() * x.element_size()
+            return None
+        return m.head(x)  # [B, T, V]
 
     # ---- probes ------------------------------------------------------------------------------------------------------
     def owns(self, probe: str) -> bool:
@@ -400,7 +391,7 @@ class _LastStage:
 
     def __call__(self, ids: torch.Tensor, cache: LatentCache, attn_impl: AttnImpl = "auto", *,
                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        self.pm.model._check_input(ids, cache)  # a bad step fails here, before the other ranks are told of it
+        self.pm.model.check_input(ids, None, cache, attn_impl)  # a bad step fails here, before the others hear of it
         ids = torch.as_tensor(ids)
         mask = check_attention_mask(attention_mask, *ids.shape) if attention_mask is not None else None
         self.pm._tell(_STEP, ids, attn_impl, mask)

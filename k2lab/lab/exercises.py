@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from ..analysis.accounting import kv_cache_bytes
 from ..analysis.routing import max_violation
 from ..config import K2Config
-from ..model.moe import Router, SwiGLU
-from ..model.norm import RMSNorm
-from ..model.rope import RotaryEmbedding
+from ..model.attention import apply_rotary
+from ..model.layers import RMSNorm, SwiGLU
+from ..model.moe import Router
+from ..model.rope import inverse_frequencies
 from ..tokenizer.ranks import rank_bpe
 
 Mistake = tuple[str, Any]  # (what the learner did wrong, the output that mistake gives)
@@ -190,26 +191,26 @@ def _rotate_neighbours(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
 def check_rotation(fn: Callable) -> Verdict:
     """``fn(x [T, R], positions [T], inv_freq [R/2]) -> [T, R]``: rotate each pair (x_i, x_{i+R/2}) by the angle
     position * inv_freq[i] (the rotate-half layout, which k2lab uses after de-interleaving the checkpoint's pairs).
-    Checked against ``RotaryEmbedding.rotate`` of K2-nano's configuration."""
-    rope = RotaryEmbedding(K2Config.nano().replace(rope_interleave=False))
+    Checked against ``k2lab.model.attention.apply_rotary`` with K2-nano's frequencies."""
+    inv_freq = inverse_frequencies(K2Config.nano())  # [R/2]
     positions = torch.tensor([0, 1, 2, 7, 100, 3000])
     x = torch.randn(len(positions), 16, generator=_generator(2))
-    cos, sin = rope.cos_sin(positions)  # [T, R]
-    expected = rope.rotate(x, cos, sin)
-    out, error = _call(fn, x.clone(), positions.clone(), rope.inv_freq.clone())
+    angles = positions[:, None].float() * inv_freq  # [T, R/2]
+    both = torch.cat((angles, angles), dim=-1)  # [T, R]: each pair's angle on x_i and on x_{i+R/2}
+    expected = apply_rotary(x, both.cos(), both.sin(), interleaved=False)
+    out, error = _call(fn, x.clone(), positions.clone(), inv_freq.clone())
     if error is not None:
         return error
-    angles = positions[:, None].float() * rope.inv_freq  # [T, R/2]
     mistakes = [
         ("you rotated the wrong way: the sine's sign is flipped (x_i' = x_i cos - x_{i+R/2} sin)",
          _rotate_halves(x, -angles)),
         ("you paired neighbours (x_0, x_1), (x_2, x_3), ...; here the pairs are (x_i, x_{i+R/2})",
          _rotate_neighbours(x, angles)),
         ("every row turned by the same angles: multiply each pair's frequency by the row's position",
-         _rotate_halves(x, rope.inv_freq.expand_as(angles))),
+         _rotate_halves(x, inv_freq.expand_as(angles))),
         ("nothing was rotated", x),
         ("the angle is position * inv_freq, not position / inv_freq",
-         _rotate_halves(x, positions[:, None].float() / rope.inv_freq)),
+         _rotate_halves(x, positions[:, None].float() / inv_freq)),
     ]
     verdict = _compare("rotation", out, expected, mistakes, atol=1e-4)
     if not verdict.ok and isinstance(out, torch.Tensor) and out.shape == x.shape:
@@ -316,7 +317,7 @@ def check_router(fn: Callable) -> Verdict:
 
 
 def check_rms_norm(fn: Callable) -> Verdict:
-    """``fn(x [..., D], weight [D], eps) -> [..., D]``: RMSNorm, checked against ``k2lab.model.norm.RMSNorm``."""
+    """``fn(x [..., D], weight [D], eps) -> [..., D]``: RMSNorm, checked against ``k2lab.model.layers.RMSNorm``."""
     g = _generator(5)
     D, eps = 16, 0.05  # a large eps and one tiny row, so that forgetting eps shows
     x = torch.randn(2, 5, D, generator=g) * 3 + 1.5  # not centred, so that subtracting the mean shows
@@ -347,7 +348,8 @@ def check_rms_norm(fn: Callable) -> Verdict:
 
 
 def check_swiglu(fn: Callable) -> Verdict:
-    """``fn(x [N, D], gate [I, D], up [I, D], down [D, I]) -> [N, D]``: SwiGLU, against ``k2lab.model.moe.SwiGLU``."""
+    """``fn(x [N, D], gate [I, D], up [I, D], down [D, I]) -> [N, D]``: SwiGLU, against
+    ``k2lab.model.layers.SwiGLU``."""
     g = _generator(6)
     D, hidden = 12, 20
     mlp = SwiGLU(D, hidden)

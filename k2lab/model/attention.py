@@ -13,6 +13,9 @@ rotary key k_pe [R] shared by all heads: 576 values per token per layer for K2.
   512-wide values. Nothing is expanded; decode reads the cache once.
 Both give the same scores, pattern and per-head output z (hook_z) to float32 rounding, and fire the same probes.
 - auto (the default): whichever of the two is faster for the call's shape (see ``choose_attn_impl``).
+
+The naive path states attention as the maths does, softmax(q k^T * scale + mask) v, whenever a probe reads the
+scores or the pattern; otherwise it hands q, k and v to PyTorch's fused kernel (speed room ``fused_attention.py``).
 """
 
 from __future__ import annotations
@@ -25,10 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K2Config
+from .fused_attention import fused_attention, max_logit
 from .hooks import HookPoint
-from .linear import Linear
-from .norm import RMSNorm
-from .rope import RotaryEmbedding
+from .layers import Linear, RMSNorm
 
 AttnImpl = Literal["auto", "naive", "absorbed"]
 ATTN_IMPLS = ("auto", "naive", "absorbed")
@@ -87,6 +89,10 @@ class LatentCache:
             return torch.empty(self.batch_size, positions, self.width, dtype=self.dtype, device=device)
 
     @property
+    def num_layers(self) -> int:
+        return len(self._buffers)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the latents held for the cached positions (what a decode step must read)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -134,9 +140,19 @@ class LatentCache:
 
 def causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
     """[T, S] True where query t (at position S - T + t) may see key s."""
-    offset = num_keys - num_queries
-    q_pos = torch.arange(num_queries, device=device)[:, None] + offset
-    return torch.arange(num_keys, device=device)[None, :] <= q_pos
+    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(num_keys - num_queries)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate x [..., R] by the angles whose cos and sin broadcast to it ([T, 1, R] for [B, T, H, R]; [T, R] for
+    [B, T, R]). The checkpoint stores each head's rotary features as interleaved pairs (x0, x1), (x2, x3), ...:
+    ``interleaved`` de-interleaves them (evens first, then odds) before the rotate-half rotation, which is the
+    released layout bit for bit."""
+    if interleaved:  # (x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...)
+        x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos.to(x.dtype) + rotated_half * sin.to(x.dtype)).to(x.dtype)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -147,7 +163,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.num_heads, self.nope_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
         self.v_dim, self.kv_lora_rank = cfg.v_head_dim, cfg.kv_lora_rank
-        self.softmax_scale = cfg.softmax_scale
+        self.softmax_scale, self.q_lora_rank = cfg.softmax_scale, cfg.q_lora_rank
+        self.interleaved = cfg.rope_interleave  # the checkpoint's rotary layout (apply_rotary)
         qk_dim, H = cfg.qk_head_dim, cfg.num_attention_heads
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(cfg.hidden_size, H * qk_dim)
@@ -174,48 +191,49 @@ class MultiHeadLatentAttention(nn.Module):
         self.hook_pattern = HookPoint()  # [B, H, T, S] softmax of the scores (only when probed)
         self.hook_z = HookPoint()  # [B, T, H, V] per-head output before o_proj
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LatentCache | None = None, layer: int = 0, attn_impl: AttnImpl = "auto",
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
+                layer: int = 0, attn_impl: AttnImpl = "auto", attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. cos/sin [T, R], or [B, T, R] when positions differ per row (padding).
-        ``attn_mask`` [B, 1, T, S] bool, True where a query may see a key; None: plain causal."""
+        ``attn_mask`` [B, 1, T, S] bool, True where a query may see a key; None: plain causal, over T == S positions
+        or for one query (``K2Model.rotary_and_mask`` makes it)."""
         B, T, _ = x.shape
         impl = choose_attn_impl(attn_impl, T, cache.length if cache is not None else 0, self.kv_lora_rank)
-        if hasattr(self, "q_proj"):
+        if self.q_lora_rank is None:
             q = self.q_proj(x)  # [B, T, H*(N+R)]
         else:
-            q = self.q_b_proj(self.hook_q_latent(self.q_a_layernorm(self.q_a_proj(x))))
+            q = self.q_b_proj(self.hook_q_latent(self.q_a_layernorm(self.q_a_proj(x))))  # through c_Q
         q = q.view(B, T, self.num_heads, self.nope_dim + self.rope_dim)  # [B, T, H, N+R]
         q_nope = self.hook_q_nope(q[..., : self.nope_dim])  # [B, T, H, N]
         q_pe = self.hook_q_pe(q[..., self.nope_dim :])  # [B, T, H, R]
-        q_pe = self.hook_rot_q_pe(rope.rotate(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2)))  # [.., T, 1, R]
+        q_pe = self.hook_rot_q_pe(apply_rotary(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2), self.interleaved))
 
         kv_a = self.kv_a_proj_with_mqa(x)  # [B, T, C + R]
         kv_latent = self.hook_kv_latent(self.kv_a_layernorm(kv_a[..., : self.kv_lora_rank]))  # [B, T, C]
         k_pe = self.hook_k_pe(kv_a[..., self.kv_lora_rank :])  # [B, T, R]
-        k_pe = self.hook_rot_k_pe(rope.rotate(k_pe, cos, sin))
+        k_pe = self.hook_rot_k_pe(apply_rotary(k_pe, cos, sin, self.interleaved))
         entries = torch.cat((kv_latent, k_pe), dim=-1)  # [B, T, C + R]: what the cache stores per token
         if cache is not None:
             entries = cache.append(layer, entries)  # [B, S, C + R]
 
-        if impl == "naive":
-            z = self._naive(q_nope, q_pe, entries, attn_mask)
-        else:
-            z = self._absorbed(q_nope, q_pe, entries, attn_mask)
-        z = self.hook_z(z)  # [B, T, H, V]
+        attend = self.naive if impl == "naive" else self.absorbed
+        z = self.hook_z(attend(q_nope, q_pe, entries, attn_mask))  # [B, T, H, V]
         return self.o_proj(z.flatten(2))  # [B, T, D]
 
-    def _probe_pattern(self, scores: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Scaled scores [B, H, T, S] -> masked scores and softmax pattern, both through their probes."""
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+    def pattern(self, scores: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Scaled scores [B, H, T, S] -> the softmax pattern, through the score, max-logit and pattern probes.
+        ``mask`` as ``forward`` takes it."""
+        T, S = scores.shape[-2:]
+        if mask is not None or T > 1:
+            scores = scores.masked_fill(~(mask if mask is not None else causal_mask(T, S, scores.device)), -torch.inf)
         scores = self.hook_attn_scores(scores)
         if self.hook_max_logit.active:
             self.hook_max_logit(scores.detach().amax(dim=(-2, -1)))
         return self.hook_pattern(F.softmax(scores, dim=-1, dtype=torch.float32).to(dtype))
 
-    def _naive(self, q_nope, q_pe, entries, attn_mask=None) -> torch.Tensor:
-        """Expand the latents to per-head keys and values for all S positions, then plain attention."""
+    def naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
+              attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """Expand the latents [B, S, C + R] to per-head keys and values for all S positions, then plain attention
+        of the queries q_nope [B, T, H, N], q_pe [B, T, H, R] (rotated) -> z [B, T, H, V]."""
         B, T, H, _ = q_nope.shape
         S = entries.shape[1]
         kv_latent, k_pe = entries.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [B, S, C], [B, S, R]
@@ -225,49 +243,30 @@ class MultiHeadLatentAttention(nn.Module):
         k_pe = k_pe[:, :, None].expand(B, S, H, self.rope_dim)  # the one rotary key, seen by every head
         k = torch.cat((k_nope, k_pe), dim=-1).transpose(1, 2)  # [B, H, S, N+R]
         v = v.transpose(1, 2)  # [B, H, S, V]
-        mask = attn_mask if attn_mask is not None else causal_mask(T, S, q.device) if T > 1 else None
-        if self.hook_attn_scores.active or self.hook_pattern.active:
-            pattern = self._probe_pattern(q @ k.transpose(-1, -2) * self.softmax_scale, mask, q.dtype)
+        if self.hook_attn_scores.active or self.hook_pattern.active:  # the maths, written out for the probes
+            pattern = self.pattern(q @ k.transpose(-1, -2) * self.softmax_scale, attn_mask, q.dtype)  # [B, H, T, S]
             return (pattern @ v).transpose(1, 2)  # [B, T, H, V]
-        if self.hook_max_logit.active:  # the scores once more, without autograd, for their maximum only
-            with torch.no_grad():
-                scores = q @ k.transpose(-1, -2)  # [B, H, T, S] unscaled: the scale (> 0) goes on the max
-                if mask is not None:
-                    scores.masked_fill_(~mask, float("-inf"))
-                self.hook_max_logit(scores.amax(dim=(-2, -1)) * self.softmax_scale)
-        # The CPU's fused SDPA kernels need equal q/k and v widths; zero-padding v costs less than the slow path.
-        pad = q.shape[-1] - self.v_dim if q.device.type == "cpu" else 0
-        out = F.scaled_dot_product_attention(
-            q, k, F.pad(v, (0, pad)) if pad > 0 else v, scale=self.softmax_scale,
-            attn_mask=None if T == S and attn_mask is None else mask,
-            # A branch, not the comparison's value: where T and S are symbols (a compiled graph), the comparison is a
-            # symbolic bool, which SDPA refuses, and a branch makes the trace decide it.
-            is_causal=True if T == S and T > 1 and attn_mask is None else False,
-        )
-        return out[..., : self.v_dim].transpose(1, 2)  # [B, T, H, V]
+        if self.hook_max_logit.active:
+            mask = attn_mask if attn_mask is not None else causal_mask(T, S, q.device)
+            self.hook_max_logit(max_logit(q, k, self.softmax_scale, mask))  # [B, H]
+        return fused_attention(q, k, v, self.softmax_scale, attn_mask)  # [B, T, H, V] (model/fused_attention.py)
 
-    def _absorbed(self, q_nope, q_pe, entries, attn_mask=None) -> torch.Tensor:
-        """Attention over the latents: q_nope through W_UK into latent space; the output through W_UV.
+    def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
+                 attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention over the latents [B, S, C + R] themselves: W_UK (kv_b_proj's key rows) folds into the query,
+        W_UV (its value rows) into the output, so nothing is expanded per head. The scores are one multi-query
+        attention whose keys are the cache's rows [c_KV ; k_pe] and whose query per head is [W_UK^T q_nope ; q_pe]:
 
-        Each step is one batched matmul: per head over the B*T query rows for the two absorptions, and one
-        multi-query attention for the scores, whose H*T query rows [c_Q W_UK | q_pe] (576 wide for K2) meet the
-        cache's [c_KV | k_pe] rows where they lie, so a decode step reads the cache once per matmul, in place.
-        """
+            q_nope . k_nope = q_nope . (W_UK c_KV) = (W_UK^T q_nope) . c_KV
+
+        The scale stays 192^-1/2 (times YaRN's m^2): the scores are the naive path's, computed in another order."""
         B, T, H, _ = q_nope.shape
-        S, C = entries.shape[1], self.kv_lora_rank
-        w_kv_b = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, C)  # [H, N+V, C]
-        w_uk, w_uv = w_kv_b[:, : self.nope_dim], w_kv_b[:, self.nope_dim :]  # [H, N, C], [H, V, C]
-        q_latent = torch.bmm(q_nope.permute(2, 0, 1, 3).reshape(H, B * T, self.nope_dim), w_uk)  # [H, B*T, C]
-        q_latent = q_latent.view(H, B, T, C).transpose(0, 1)  # [B, H, T, C]
-        # The scale goes on the H*T query rows rather than on the H*T*S scores.
-        query = torch.cat((q_latent, q_pe.transpose(1, 2)), dim=-1) * self.softmax_scale  # [B, H, T, C+R]
-        # Written cache-rows first ([B, S, C+R] @ [B, C+R, H*T]), so that each cached row streams past all H*T query
-        # rows once: the tall, skinny product splits over threads where [H*T, C+R] @ [C+R, S] does not.
-        scores = torch.bmm(entries, query.view(B, H * T, -1).transpose(1, 2)).transpose(1, 2)  # [B, H*T, S]
-        scores = scores.unflatten(1, (H, T))  # [B, H, T, S] scaled
-        mask = attn_mask if attn_mask is not None else causal_mask(T, S, q_nope.device) if T > 1 else None
-        pattern = self._probe_pattern(scores, mask, q_nope.dtype)  # [B, H, T, S]
-        out_latent = torch.bmm(pattern.view(B, H * T, S), entries[..., :C])  # [B, H*T, C]
-        out_latent = out_latent.view(B, H, T, C).transpose(0, 1).reshape(H, B * T, C)  # [H, B*T, C]
-        z = torch.bmm(out_latent, w_uv.transpose(1, 2))  # [H, B*T, V]
-        return z.view(H, B, T, self.v_dim).permute(1, 2, 0, 3)  # [B, T, H, V]
+        C = self.kv_lora_rank
+        w_uk, w_uv = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, C).split(
+            [self.nope_dim, self.v_dim], dim=1)  # [H, N, C], [H, V, C]
+        q_latent = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # [B, T, H, C] W_UK^T q_nope
+        query = torch.cat((q_latent, q_pe), dim=-1) * self.softmax_scale  # [B, T, H, C+R], the scale on the queries
+        scores = torch.einsum("bthc,bsc->bhts", query, entries)  # [B, H, T, S] scaled
+        pattern = self.pattern(scores, attn_mask, q_nope.dtype)  # [B, H, T, S]
+        out_latent = torch.einsum("bhts,bsc->bthc", pattern, entries[..., :C])  # [B, T, H, C] over the c_KV rows
+        return torch.einsum("bthc,hvc->bthv", out_latent, w_uv)  # [B, T, H, V] through W_UV

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 from .attention import AttnImpl
 from .hooks import HookedModule
-from .transformer import K2Model, is_text
-
-if TYPE_CHECKING:
-    from ..tokenizer.tokenizer import K2Tokenizer
+from .transformer import K2Model, Tokenizer, check_attention_mask, is_text
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -34,7 +30,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def healing_mask(tokenizer: K2Tokenizer, last_ids: list[int], vocab_size: int) -> torch.Tensor:
+def healing_mask(tokenizer: Tokenizer, last_ids: list[int], vocab_size: int) -> torch.Tensor:
     """Token healing's constraint [B, V] bool: the tokens that may stand in for each row's last prompt token,
     those whose bytes start with its bytes (specials excluded; the token itself always allowed)."""
     pieces = [tokenizer.token_bytes(i) for i in range(min(tokenizer.vocab_size, vocab_size))]
@@ -72,7 +68,7 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, 
 def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              eos_token_id: int | None = None, attn_impl: AttnImpl = "auto",
-             tokenizer: K2Tokenizer | None = None, token_healing: bool = False,
+             tokenizer: Tokenizer | None = None, token_healing: bool = False,
              attention_mask: torch.Tensor | None = None, compile: bool = False) -> torch.Tensor | str | list[str]:
     """Continue ``input_ids`` [B, T] by up to ``max_new_tokens`` tokens -> [B, T + n], n <= max_new_tokens.
 
@@ -93,18 +89,18 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     last prompt token is dropped and the first new token is chosen among those whose bytes start with its
     bytes. The result is then [B, T - 1 + n], and its text still starts with the prompt's.
 
-    The forward passes run in ``torch.inference_mode`` (faster on the CPU) unless code other than k2lab's and
-    PyTorch's could see the model's tensors, such as a hook on a probe or module, or a module of another class
-    spliced in (``model.is_observed()``); then under ``torch.no_grad``, so that what such code keeps stays ordinary
-    tensors that autograd can use later. The result is an ordinary tensor either way.
+    The forward passes run in ``torch.inference_mode`` (faster on the CPU; model/inference.py) unless code other than
+    k2lab's and PyTorch's could see the model's tensors, such as a hook on a probe or module, or a module of another
+    class spliced in (``model.is_observed()``); then under ``torch.no_grad``, so that what such code keeps stays
+    ordinary tensors that autograd can use later. The result is an ordinary tensor either way.
 
     ``compile=True`` runs the decode steps through ``torch.compile`` (the prefill stays eager): the whole step is
-    one graph whose small ops inductor fuses into a few kernels, and whose experts are read by index inside them.
-    The first step compiles (tens of seconds on a CPU, again for each new thread count); after that a step of the
-    benchmark model takes about half the eager one on this project's 2-core machine (docs/speed.md, "The compiled
-    decode step"). The tokens equal eager generation's up to float32 rounding of near-ties. Hooks cannot run
-    inside a compiled graph, so it refuses a model with anything attached (``model.is_observed()``). Needs a C++
-    compiler on the CPU, as ``torch.compile`` does.
+    one graph whose small ops inductor fuses into a few kernels, and whose experts are read by index inside them
+    (model/indexed.py). The first step compiles (tens of seconds on a CPU, again for each new thread count); after
+    that a step of the benchmark model takes about half the eager one on a 2-core CPU (docs/speed.md). The tokens
+    equal eager generation's up to float32 rounding of near-ties. Hooks cannot run inside a compiled graph, so it
+    refuses a model with anything attached (``model.is_observed()``). Needs a C++ compiler on the CPU, as
+    ``torch.compile`` does.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     if not isinstance(compile, bool):
@@ -116,14 +112,12 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
         if attention_mask is not None:
             raise ValueError("attention_mask is made by the tokenizer for text input; pass ids to give your own")
         if tokenizer is None:
-            tokenizer = model._require_tokenizer("generate on text")
+            tokenizer = model.require_tokenizer("generate on text")
         input_ids, attention_mask = tokenizer.encode_padded([text] if isinstance(text, str) else list(text))
     ids = torch.as_tensor(input_ids, device=model.device)
     ids = ids[None] if ids.dim() == 1 else ids
     mask = None
     if attention_mask is not None:
-        from .transformer import check_attention_mask
-
         mask = check_attention_mask(attention_mask, *ids.shape).to(ids.device)  # [B, T] bool
         if not mask.any(-1).all():
             raise ValueError(f"attention_mask has a row without any token: row {int((~mask.any(-1)).nonzero()[0])}")
@@ -142,16 +136,12 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
 
-    # Inference mode skips autograd's bookkeeping on every op (version counters, view records), which no_grad keeps:
-    # a tenth to a fifth of K2-nano's generation on the CPU (docs/speed.md, "Inference mode"). Its tensors can never
-    # enter autograd, so it is used only when no code but k2lab's and PyTorch's could keep one (model.is_observed());
-    # the result is made outside it. Asked once here, the model's own calls inside it need not ask again.
     observed = not isinstance(model, HookedModule) or model.is_observed()
     if compile and observed:
         raise ValueError("compile=True runs each decode step as one compiled graph, where hooks, wrappers and "
                          "spliced modules cannot run, and something is attached to this model (model.is_observed()): "
                          "detach it (model.reset_hooks() for k2lab's hooks) or generate without compile")
-    with torch.no_grad() if observed else torch.inference_mode():
+    with torch.no_grad() if observed else torch.inference_mode():  # model/inference.py
         out = _decode(model, ids, mask, allowed, max_new_tokens, temperature, top_k, top_p, generator, eos,
                       attn_impl, compile)
     result = torch.cat(out, dim=1)  # [B, T + n], an ordinary tensor whichever mode made its parts

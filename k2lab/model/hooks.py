@@ -14,7 +14,7 @@ Selecting probes, everywhere a selector is taken (``run_with_cache(names=)``, ``
 ``interventions.patch``): an exact name, a substring of names (``"hook_resid_post"``), a predicate on the name, or
 a list of any of these. Short TransformerLens-style names: ``get_act_name("resid_post", 3)``.
 
-    logits, cache = model.run_with_cache(ids, names="hook_resid_post")     # read (see analysis/cache.py)
+    logits, cache = model.run_with_cache(ids, names="hook_resid_post")     # read (see activation_cache.py)
     with model.hooks(fwd_hooks=[("layers.1.hook_attn_out", lambda t, hook: 0 * t)]):
         ablated = model(ids)                                                # edit; detached on exit
     with model.hooks(bwd_hooks=[("hook_resid_mid", lambda g, hook: print(hook.name, g.norm()))]):
@@ -31,8 +31,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # the model package imports no analysis at import time (data flows model -> analysis)
-    from ..analysis.cache import ActivationCache
+from .inference import is_observed
+
+if TYPE_CHECKING:  # activation_cache.py imports this module
+    from .activation_cache import ActivationCache
 
 HookFn = Callable[[torch.Tensor, "HookPoint"], torch.Tensor | None]
 Selector = str | Callable[[str], bool]
@@ -157,30 +159,9 @@ class HookedModule(nn.Module):
             point.name = name
 
     def is_observed(self) -> bool:
-        """True when code other than k2lab's and PyTorch's may see the forward's tensors: a function on a probe
-        (k2lab's, PyTorch's or an nnsight trace: ``HookPoint.active``), a PyTorch forward hook on any other module or
-        on every module, a wrapper in place of a module's ``forward`` (nnsight's), or a module of any other class
-        spliced into the model (it could keep what it sees). The forward under no_grad, and ``k2lab.generate``, run
-        in inference mode only when nothing is, because a tensor made in inference mode that such code keeps could
-        never enter autograd later. One walk over the module tree, asked on every no_grad call (about 0.2 ms for the
-        benchmark model)."""
-        # Hooks registered for every module (nn.modules.module.register_module_forward_hook) live in these registries.
-        if (getattr(torch.nn.modules.module, "_global_forward_hooks", None)
-                or getattr(torch.nn.modules.module, "_global_forward_pre_hooks", None)):
-            return True
-        # A walk of its own rather than self.modules(), whose memo set and path names make it about half again as slow
-        # (0.3 against 0.2 ms for the benchmark model, ad hoc), on the path of every no_grad call.
-        stack: list[nn.Module] = [self]
-        while stack:
-            module = stack.pop()
-            if isinstance(module, HookPoint):
-                if module.active:
-                    return True
-            elif (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
-                  or not type(module).__module__.startswith(("k2lab.", "torch."))):
-                return True
-            stack.extend(child for child in module._modules.values() if child is not None)
-        return False
+        """True when code other than k2lab's and PyTorch's may see the forward's tensors (a hook, a wrapper, a spliced
+        module): then ``k2lab.generate`` runs under no_grad rather than in inference mode (model/inference.py)."""
+        return is_observed(self)
 
     def hook_names(self) -> list[str]:
         """Every probe, layer by layer in module order (a cache from run_with_cache is in firing order)."""
@@ -274,7 +255,7 @@ class HookedModule(nn.Module):
         names = one_selector(names, names_filter)
         if metric is not None and not incl_bwd:
             raise ValueError("metric= names what incl_bwd=True differentiates; without incl_bwd there is no gradient")
-        from ..analysis.cache import ActivationCache  # the model package does not import analysis at import time
+        from .activation_cache import ActivationCache  # it imports this module
 
         selected = self.select_hook_names(names)
         store: dict[str, torch.Tensor] = {}

@@ -1,18 +1,18 @@
-"""The model's matrix products with a weight, x @ W^T, written so that a decode step uses every CPU thread.
+"""Speed room: a few-row product x @ W^T split over the CPU's threads (what a decode step multiplies).
 
-On the CPU, torch hands a product with few rows (a decode step multiplies one row per sequence by each matrix) to a
-BLAS kernel that runs it on one thread however many torch has: a second thread gains nothing, although the product
-only streams the weight from memory and memory serves two threads faster than one. A batched product is split a
-batch entry per thread. So ``linear`` cuts the weight into equal blocks of rows, up to one per thread, as a free
-view, and runs the few-row product as one batched product over the blocks (docs/speed.md, "Threads": ``python -m
-benchmarks.split_gemv``). Everything else (many rows, one thread, GPUs, small weights) goes to F.linear unchanged.
+Replaces ``F.linear`` in ``layers.Linear`` when a product has at most ``SPLIT_MAX_ROWS`` rows on the CPU. There,
+torch hands such a product to a BLAS kernel that runs it on one thread however many torch has, although the
+product only streams the weight from memory and memory serves two threads faster than one. A batched product runs
+one batch entry per thread, so ``split_linear`` cuts the weight into equal blocks of rows (a free view, up to one
+per thread) and runs the product as one batched product over them. What a decode step gains at two threads is
+measured by ``python -m benchmarks.vs_hf`` (docs/speed.md). Equal to ``F.linear`` to float32 rounding; one thread,
+GPUs, many rows and small weights go to ``F.linear`` unchanged.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 # Products with at most this many rows are split: BLAS threads products of more rows itself.
 SPLIT_MAX_ROWS = 16
@@ -34,10 +34,9 @@ def thread_count() -> int:
     return torch.get_num_threads()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight [out, in]^T -> [..., out], as F.linear without a bias; few-row products on the CPU run
-    one block of weight rows per thread (``split_count`` blocks), also inside a compiled graph. Equal to F.linear to
-    float32 rounding."""
+def split_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T -> [..., out] with one block of weight rows per thread (``split_count``
+    blocks), also inside a compiled graph; ``F.linear`` where a split would not pay."""
     threads = thread_count()
     rows = x.numel() // max(x.shape[-1], 1)
     if (threads == 1 or rows > SPLIT_MAX_ROWS or x.device.type != "cpu" or not weight.is_contiguous()
@@ -53,13 +52,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if rows > 1:
         out = out.transpose(0, 1)  # [rows, n, out/n]
     return out.reshape(*x.shape[:-1], out_features)
-
-
-class Linear(nn.Linear):
-    """A bias-free nn.Linear (the checkpoint's layout: ``weight`` [out, in]) whose product is ``linear``."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        return linear(x, self.weight)

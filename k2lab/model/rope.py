@@ -1,9 +1,12 @@
-"""Rotary position embedding with YaRN frequency scaling, as Kimi K2 (DeepSeek-V3) releases it.
+"""YaRN: the rotary frequencies of Kimi K2 (DeepSeek-V3), computed once when the model is built.
 
 K2 stretches a 4,096-token RoPE to 131,072 positions. YaRN keeps the fast-rotating frequency pairs (which
 complete many turns inside the original context and so are already well trained) and divides the slow ones by
 the stretch factor; a linear ramp joins the two. For K2's settings the ramp is a step: pairs 0..19 keep their
 frequency, pairs 20..31 are divided by 32.
+
+The model turns these frequencies into cos and sin per position (``K2Model.rotary_and_mask``), and attention
+rotates the rotary part of its queries and keys with them (``attention.apply_rotary``).
 """
 
 from __future__ import annotations
@@ -51,38 +54,3 @@ def cos_sin_scale(cfg: K2Config) -> float:
     if cfg.rope_type != "yarn":
         return 1.0
     return yarn_get_mscale(cfg.rope_factor, cfg.mscale) / yarn_get_mscale(cfg.rope_factor, cfg.mscale_all_dim)
-
-
-class RotaryEmbedding:
-    """Holds the YaRN frequencies (computed once) and rotates the rotary part of queries and keys. No weights.
-
-    The checkpoint stores each head's 64 rotary features as interleaved pairs (x0, x1), (x2, x3), ...
-    ``rotate`` de-interleaves them (evens first, then odds) and applies the usual rotate-half rotation, which is
-    the released layout bit for bit. With ``rope_interleave=False`` the features are already split in halves.
-    """
-
-    def __init__(self, cfg: K2Config):
-        self.interleaved = cfg.rope_interleave
-        self.scale = cos_sin_scale(cfg)
-        # Computed once on the CPU; copied once to each device it is used on. Not a module buffer, so a
-        # model built on the meta device or loaded with assign=True never holds an uninitialised table.
-        self.inv_freq = inverse_frequencies(cfg)  # [R/2]
-        self._on_device = {self.inv_freq.device: self.inv_freq}
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for integer positions [T] -> two [T, R] tensors (float32, each pair's angle twice)."""
-        inv_freq = self._on_device.get(positions.device)
-        if inv_freq is None:
-            with torch.inference_mode(False):  # kept: an ordinary tensor even when first made in inference mode
-                inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
-        angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
-        angles = torch.cat((angles, angles), dim=-1)  # [T, R]
-        return angles.cos() * self.scale, angles.sin() * self.scale
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [..., R] by cos/sin that broadcast to it ([T, 1, R] for [B, T, H, R]; [T, R] for [B, T, R])."""
-        if self.interleaved:  # (x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...)
-            x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-        half = x.shape[-1] // 2
-        rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return (x * cos.to(x.dtype) + rotated_half * sin.to(x.dtype)).to(x.dtype)

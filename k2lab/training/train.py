@@ -31,11 +31,12 @@ from pathlib import Path
 
 import torch
 
+from ..bundled import NANO_DIR
 from ..config import K2Config
-from ..lab.nano import NANO_DIR, save_checkpoint
-from ..model.loss import head_cross_entropy
-from ..model.transformer import K2Model
+from ..model.moe import MoE
+from ..model.transformer import K2Model, head_loss
 from ..tokenizer.tokenizer import CONFIG_FILE, RANKS_FILE, K2Tokenizer, load_tokenizer
+from ..weights.writer import save_checkpoint
 from . import corpus
 from .optim import MuonClip, balance_router_bias, qk_clip, wsd_lr
 
@@ -150,8 +151,9 @@ def next_token_loss(model: K2Model, batch: torch.Tensor, reduction: str = "mean"
     """Cross-entropy in nats of each next token ("mean" or "sum" over them): batch [B, T+1] ids, inputs
     batch[:, :-1], targets batch[:, 1:]. The head runs chunk by chunk (``k2lab.model.loss``), so the batch's logits
     are never whole and ``hook_logits`` does not fire."""
-    hidden = model.last_hidden_state(batch[:, :-1], attn_impl="naive")  # [B, T, D]
-    return head_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch[:, 1:].flatten(), reduction)
+    ids, _ = model.check_input(batch[:, :-1])
+    x = model.run_blocks(model.embed(ids), attn_impl="naive")  # [B, T, D]
+    return head_loss(model, x, batch[:, 1:].to(ids.device), reduction=reduction)
 
 
 @torch.no_grad()
@@ -242,6 +244,9 @@ def train(cfg: K2Config, tc: TrainConfig, tokenizer: K2Tokenizer, log_every: int
     model = K2Model(cfg)
     model.init_weights(seed=tc.seed)
     model.train()
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.grouped = True  # one gradient pass per expert stack (k2lab/model/dispatch.py)
     opt = MuonClip.for_model(model, lr=tc.lr, weight_decay=tc.weight_decay, embed_lr_scale=tc.embed_lr_scale,
                              head_lr_scale=tc.head_lr_scale)
     loss_fn = torch.compile(next_token_loss) if tc.compile else next_token_loss  # evaluations run eager
@@ -368,7 +373,7 @@ def main() -> None:
 
     def save(model: K2Model | None, log: dict) -> None:
         if model is not None:
-            save_checkpoint(model, out, fp8=True)
+            save_checkpoint(model, out, format="fp8")
         write_log(out, log)
 
     _, log = train(model_cfg, train_cfg, tokenizer, save=save)

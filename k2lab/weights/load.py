@@ -4,7 +4,7 @@ spread by a map.
 
 Each step can fail before the next begins, and nothing is returned until the last one succeeds:
 1. the source: a folder, or only the needed files from the Hub (hub.py);
-2. config.json: the architecture, sliced to ``num_layers`` blocks, and the stored format (hf_config.py, quant/);
+2. config.json: the architecture, sliced to ``num_layers`` blocks, and the stored format (reader.read_config, quant/);
 3. every needed tensor checked from the headers (reader.py) and every block placed (placement.py);
 4. the model built on the meta device, with quantized-resident modules (the format's) and streamed experts
    (streaming.py) where they apply;
@@ -26,10 +26,9 @@ from ..config import K2Config
 from ..model.moe import MoE
 from ..model.transformer import K2Model
 from . import hub
-from .hf_config import read_config
 from .placement import DeviceMap, resolve_device_map, unit_of
 from .quant import UNQUANTIZED, QuantFormat
-from .reader import DTYPES, Checkpoint, CheckpointError, StoredWeight, is_mtp_tensor
+from .reader import DTYPES, Checkpoint, CheckpointError, StoredWeight, is_mtp_tensor, read_config
 from .schema import EXPERT_PROJS, EXPERT_TENSOR, expert_tensor
 from .streaming import ExpertCache, StreamedExperts
 
@@ -39,8 +38,7 @@ _PROGRESS_BYTES = 2**30  # loads reading more than this show a progress bar unle
 
 def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revision: str | None = None,
          num_layers: int | None = None, expert_budget_bytes: int | None = None, device_map: DeviceMap = None,
-         quantized_resident: bool | None = None, fp8_resident: bool | None = None,
-         progress: bool | None = None) -> K2Model:
+         quantized_resident: bool | None = None, progress: bool | None = None) -> K2Model:
     """Load a K2 / DeepseekV3 checkpoint in the release layout (unquantized, FP8 or INT4 experts, as its config.json's
     ``quantization_config`` says).
 
@@ -53,11 +51,11 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
         real model.
     expert_budget_bytes: routed experts stay in the files and are read on first use into one LRU cache of at
         most this many bytes; ``model.expert_cache.stats`` counts hits, misses, bytes read, evictions, peak.
-    device_map: None (the CPU), ``"auto"`` (blocks balanced by bytes over the visible GPUs; the CPU if none) or
+    device_map: None (the CPU); one device for every block (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a GPU index, a
+        ``torch.device``); ``"auto"`` (blocks balanced by bytes over the visible GPUs; the CPU if none); or
         {module prefix: device} over ``embed_tokens``, ``layers.{i}``, ``norm``, ``lm_head`` (``""``: the rest).
     quantized_resident: keep quantized matrices as stored (FP8 e4m3, packed INT4) and dequantize at each use (memory
-        ~ the stored bytes). Default: on GPUs yes; on the CPU no (dequantized once at load). ``fp8_resident`` is
-        its earlier name.
+        ~ the stored bytes). Default: on GPUs yes; on the CPU no (dequantized once at load).
     progress: tqdm bars for downloads and reads. Default: only for reads over 1 GiB.
 
     ``model.load_notes`` lists what was left out on purpose: DeepSeek-V3/R1/V3.1's multi-token-prediction block
@@ -75,10 +73,6 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
                                             or not isinstance(expert_budget_bytes, int) or expert_budget_bytes < 0):
         raise ValueError(f"expert_budget_bytes must be a whole number of bytes >= 0 (e.g. 2**30 for 1 GiB) or None, "
                          f"got {expert_budget_bytes!r}")
-    if fp8_resident is not None and quantized_resident is not None and fp8_resident != quantized_resident:
-        raise ValueError(f"fp8_resident={fp8_resident} contradicts quantized_resident={quantized_resident}; "
-                         "give one (fp8_resident is the earlier name)")
-    resident = quantized_resident if quantized_resident is not None else fp8_resident
     config, full, fmt = read_source_config(path_or_repo_id, revision)
     cfg = slice_layers(full, num_layers)
     # A folder is read in place; from the Hub only the files the sliced config needs are fetched.
@@ -87,10 +81,10 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
     checkpoint = Checkpoint(folder)
     checkpoint.check_unexpected(full, fmt)
     weights = checkpoint.weights(cfg, fmt)
-    devices = resolve_device_map(cfg, device_map, format=fmt if resident is not False else UNQUANTIZED,
+    devices = resolve_device_map(cfg, device_map, format=fmt if quantized_resident is not False else UNQUANTIZED,
                                  expert_budget_bytes=expert_budget_bytes)
     assembly = _Assembly(cfg, fmt, checkpoint, weights, devices,
-                         dtype or (torch.bfloat16 if fmt.quantized else None), resident)
+                         dtype or (torch.bfloat16 if fmt.quantized else None), quantized_resident)
     cache = ExpertCache(expert_budget_bytes, assembly.fetch_expert) if expert_budget_bytes is not None else None
     model = assembly.skeleton(cache)
     model.load_state_dict(assembly.state(streamed=cache is not None, progress=progress), strict=True, assign=True)

@@ -24,7 +24,7 @@ from .schema import checkpoint_tensors
 # (the absorbed attention's [H, T, S] scores are the largest) and the dequantized copy of one FP8 matrix.
 DEFAULT_HEADROOM_BYTES = 4 * 2**30
 Device = int | str | torch.device
-DeviceMap = str | Mapping[str, Device] | None
+DeviceMap = Device | Mapping[str, Device] | None  # None, "auto", one device for all, or {module prefix: device}
 
 
 def placement_units(cfg: K2Config) -> list[str]:
@@ -38,12 +38,12 @@ def unit_of(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
 
 
-def unit_bytes(cfg: K2Config, *, fp8: bool = True, dtype: torch.dtype = torch.bfloat16,
-               expert_budget_bytes: int | None = None, format: QuantFormat | str | None = None) -> dict[str, int]:
-    """Bytes of each unit's resident weights: quantized matrices as stored, with their scales (FP8 when ``fp8``, or
-    ``format``), the rest in ``dtype``. With an expert budget the routed experts stay in the files and count nothing
-    here."""
-    fmt = resolve_format(format, fp8)
+def unit_bytes(cfg: K2Config, *, format: QuantFormat | str = "fp8", dtype: torch.dtype = torch.bfloat16,
+               expert_budget_bytes: int | None = None) -> dict[str, int]:
+    """Bytes of each unit's resident weights: quantized matrices as stored in ``format`` (a QuantFormat or a name:
+    ``"fp8"``, ``"int4"``, ``"unquantized"``), with their scales, the rest in ``dtype``. With an expert budget the
+    routed experts stay in the files and count nothing here."""
+    fmt = resolve_format(format)
     out = dict.fromkeys(placement_units(cfg), 0)
     for spec in checkpoint_tensors(cfg):
         if expert_budget_bytes is None or spec.component != "routed_experts":
@@ -102,23 +102,22 @@ class Plan:
             blocks = sum(1 for u, i in self.units.items() if i == d and u.startswith("layers."))
             free = self.free_bytes[d]
             tokens = f"{max(free, 0) // (blocks * self.kv_bytes_per_token_layer):,}" if blocks else "-"
-            units = _describe([u for u, i in self.units.items() if i == d])
+            units = describe_units([u for u, i in self.units.items() if i == d])
             lines.append(f"{name:<10}{self.capacity_bytes[d] / gb:>9.1f} GB{self.weight_bytes[d] / gb:>9.1f} GB"
                          f"{free / gb:>9.1f} GB  {tokens:>18}  {units}")
         return "\n".join(lines)
 
 
-def plan(cfg: K2Config, devices: Sequence[Device], *, fp8: bool = True, dtype: torch.dtype = torch.bfloat16,
-         expert_budget_bytes: int | None = None, headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
-         format: QuantFormat | str | None = None) -> Plan:
+def plan(cfg: K2Config, devices: Sequence[Device], *, format: QuantFormat | str = "fp8",
+         dtype: torch.dtype = torch.bfloat16, expert_budget_bytes: int | None = None,
+         headroom_bytes: int = DEFAULT_HEADROOM_BYTES) -> Plan:
     """Balance the blocks of ``cfg`` over ``devices`` by bytes and say whether they fit.
 
     ``devices``: byte capacities (named ``cuda:0``, ``cuda:1``, ... in the device map) or devices (``"cuda:1"``,
     ``torch.device("cpu")``; their total memory). Contiguous stages, the embedding on the first device and the
     head on the last, chosen to minimise the fullest device's share of its capacity less the headroom.
-    ``fp8``: FP8 matrices stay e4m3 with their scales (the GPU path), otherwise everything is in ``dtype``.
-    ``format`` (a QuantFormat or a name: ``"fp8"``, ``"int4"``, ``"unquantized"``) overrides ``fp8``: K2-Thinking's
-    INT4 experts are ``format="int4"``.
+    ``format`` (a QuantFormat or a name): how quantized matrices are held. ``"fp8"``: e4m3 with their scales (the
+    GPU path); ``"int4"``: K2-Thinking's packed experts; ``"unquantized"``: everything in ``dtype``.
     ``expert_budget_bytes``: routed experts are streamed; that budget is reserved on every device.
 
     >>> print(k2lab.plan(K2Config.kimi_k2(), devices=[141 * 10**9] * 8))
@@ -127,7 +126,7 @@ def plan(cfg: K2Config, devices: Sequence[Device], *, fp8: bool = True, dtype: t
         raise ValueError("plan needs at least one device")
     names = tuple(f"cuda:{i}" if isinstance(d, int) else str(_as_device(d)) for i, d in enumerate(devices))
     capacity = tuple(d if isinstance(d, int) else device_capacity(d) for d in devices)
-    sizes = unit_bytes(cfg, fp8=fp8, dtype=dtype, expert_budget_bytes=expert_budget_bytes, format=format)
+    sizes = unit_bytes(cfg, format=format, dtype=dtype, expert_budget_bytes=expert_budget_bytes)
     reserve = headroom_bytes + (expert_budget_bytes or 0)
     usable = [max(c - reserve, 1) for c in capacity]
     *first, norm, head = sizes.values()
@@ -168,12 +167,14 @@ def _partition(sizes: list[int], usable: list[int]) -> list[int]:
 
 
 def resolve_device_map(cfg: K2Config, device_map: DeviceMap, *, expert_budget_bytes: int | None = None,
-                       format: QuantFormat | str | None = None) -> dict[str, torch.device]:
-    """{unit: device} for every unit of ``cfg``.
+                       format: QuantFormat | str = "fp8") -> dict[str, torch.device]:
+    """{unit: device} for every unit of ``cfg``, from ``device_map`` as HF transformers' ``from_pretrained`` takes it.
 
-    ``None``: all on the CPU. ``"auto"``: ``plan`` over the visible GPUs' free memory (raising, with the plan, if the
-    model does not fit), or the CPU when there is no GPU. A mapping {module prefix: device}: each unit goes where
-    its longest matching prefix says (``""`` matches everything; ``model.`` prefixes are accepted).
+    ``None``: all on the CPU. One device (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"meta"``, a GPU index or a
+    ``torch.device``): all on it. ``"auto"``: ``plan`` over the visible GPUs' free memory (raising, with the plan, if
+    the model does not fit), or the CPU when there is no GPU. A mapping {module prefix: device}: each unit goes where
+    its longest matching prefix says (``""`` matches everything; ``model.`` prefixes are accepted). ``format`` is how
+    quantized matrices are held, for ``"auto"``'s byte counts.
     """
     units = placement_units(cfg)
     if device_map is None:
@@ -187,11 +188,13 @@ def resolve_device_map(cfg: K2Config, device_map: DeviceMap, *, expert_budget_by
             raise ValueError(f"device_map='auto': the model does not fit the visible GPUs' free memory; try "
                              f"num_layers= or expert_budget_bytes=\n{placed}")
         return {unit: torch.device(device) for unit, device in placed.device_map.items()}
-    if isinstance(device_map, str) or not isinstance(device_map, Mapping):
-        raise ValueError(f"device_map must be None, 'auto' or a mapping {{module prefix: device}}, got {device_map!r}")
+    if isinstance(device_map, (str, int, torch.device)) and not isinstance(device_map, bool):
+        return dict.fromkeys(units, _as_device(device_map, "device_map"))
+    if not isinstance(device_map, Mapping):
+        raise ValueError(f"device_map must be {_DEVICE_MAP_FORMS}, got {device_map!r}")
     prefixes = {key.removeprefix("model.") if key != "model" else "": value for key, value in device_map.items()}
     keys = unit_keys(cfg, prefixes, "device_map", "device")
-    out = {unit: _as_device(prefixes[key], key) for unit, key in keys.items()}
+    out = {unit: _as_device(prefixes[key], f"device_map[{key!r}]") for unit, key in keys.items()}
     return out
 
 
@@ -212,21 +215,35 @@ def unit_keys(cfg: K2Config, prefixes: Mapping[str, object], what: str, value: s
     return out
 
 
-def _as_device(value: Device, key: str | None = None) -> torch.device:
-    where = f"device_map[{key!r}] = " if key is not None else ""
-    try:
-        device = torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"{where}{value!r} is not a device: use 'cpu', 'cuda', 'cuda:N', a GPU index or "
-                         "a torch.device") from None
+_DEVICE_MAP_FORMS = ("None, 'auto', one device ('cpu', 'cuda', 'cuda:N', 'meta', a GPU index, a torch.device) or "
+                     "a mapping {module prefix: device}")
+
+
+def _as_device(value: Device, where: str | None = None) -> torch.device:
+    """``value`` as a torch.device that this machine has. ``where`` names the argument it came from in errors
+    (``device_map``, ``device_map['layers.3']``)."""
+    named = f"{where}={value!r}" if where is not None else repr(value)
+    device = None
+    if not isinstance(value, bool):  # a bool is an int to Python, but no GPU index
+        try:
+            device = torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
+        except (RuntimeError, TypeError, ValueError):
+            pass
+    if device is None:
+        forms = _DEVICE_MAP_FORMS if where == "device_map" else "'cpu', 'cuda', 'cuda:N', a GPU index or a torch.device"
+        raise ValueError(f"{named} is not a device: use {forms}")
     if device.type == "cuda":
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not visible:
+            raise ValueError(f"{named}: CUDA is not available here (torch.cuda.is_available() is False); use 'cpu' "
+                             "for the CPU")
         if (device.index or 0) >= visible:
-            raise ValueError(f"{where}{device} is not available: {visible} GPU(s) visible")
+            raise ValueError(f"{named}: {device} is not available: {visible} GPU(s) visible (cuda:0 .. "
+                             f"cuda:{visible - 1})")
     return device
 
 
-def _describe(units: list[str]) -> str:
+def describe_units(units: list[str]) -> str:
     """``embed_tokens, layers.0-7`` for a device's units."""
     layers = [int(u.split(".")[1]) for u in units if u.startswith("layers.")]
     parts = [u for u in units if u == "embed_tokens"]

@@ -14,6 +14,7 @@ reopening a handle per read re-parses a 2,300-entry header (~5 ms). safe_open st
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..config import K2Config
-from .quant import UNQUANTIZED, QuantFormat, Stored
+from ..hf_config import config_from_hf_dict, read_hf_json
+from .quant import UNQUANTIZED, QuantFormat, Stored, format_from_quantization_config
 from .schema import TensorSpec, checkpoint_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -34,6 +36,15 @@ DTYPES = {**FLOAT_DTYPES, "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # Stale tensors some checkpoints carry that hold nothing k2lab computes from.
 IGNORED_TENSORS = re.compile(r".*rotary_emb\.(inv_freq|original_inv_freq)$")
+
+
+def read_config(source: str | Path | dict) -> tuple[K2Config, QuantFormat]:
+    """A checkpoint's config.json (a path to the file or its folder, or the parsed dict): the architecture
+    (``k2lab.hf_config``: what is accepted, what is refused by name), and the stored format its
+    ``quantization_config`` announces (``UNQUANTIZED`` without one)."""
+    raw, where = read_hf_json(source)
+    fmt = format_from_quantization_config(raw.get("quantization_config"), where)
+    return config_from_hf_dict(raw, where), fmt
 
 
 class CheckpointError(ValueError):
@@ -188,7 +199,7 @@ class Checkpoint:
         out = torch.empty(info.shape, dtype=DTYPES[info.dtype], device="meta" if device.type == "meta" else "cpu")
         if out.is_meta:
             return out
-        view = memoryview(out.view(-1).view(torch.uint8).numpy())
+        view = byte_view(out)
         with info.file.open("rb", buffering=0) as f:
             f.seek(info.offset)
             done = 0
@@ -244,3 +255,14 @@ def read_weight_map(index: Path) -> dict[str, str]:
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise CheckpointError(f"{index} is not a safetensors index with a 'weight_map': {err}") from err
     return weight_map
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview of its own memory, for files to read into and
+    write from without a copy. Through ctypes rather than ``Tensor.numpy()``: numpy is no dependency of the core.
+    The view does not keep ``tensor`` alive: the caller holds it while the view is used."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"byte_view needs a contiguous CPU tensor, got one on {tensor.device} "
+                         f"(contiguous: {tensor.is_contiguous()})")
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")

@@ -5,10 +5,9 @@ any one token. With ``load(..., expert_budget_bytes=B)`` every other weight is r
 expert stays in its safetensors file and is read when a token first routes to it. The most recently used
 experts, at most B bytes of them across all layers, stay in memory; the least recently used leave first.
 
-An expert's tensors are read and converted by the same code either way; only the moment of reading differs. Streamed
-experts run one at a time (a fully loaded model runs its experts in pairs, as batched products over views of its
-stacks), so outputs equal the fully loaded model's to float32 rounding, and bit for bit once that model's experts run
-one at a time too (``RoutedExperts.pairs_in_place = False``).
+An expert's tensors are read and converted by the same code either way; only the moment of reading differs, so
+outputs equal the fully loaded model's (to float32 rounding where that model runs its experts in pairs, ``MoE``'s
+grouped dispatch over views of its stacks).
 """
 
 from __future__ import annotations
@@ -115,11 +114,11 @@ class StreamedExperts(RoutedExperts):
     (gate, up, down) ready to use.
     """
 
-    pairs_in_place = False  # each expert's matrices are made as it runs: no stacks to view a pair in
+    stacked = False  # each expert's matrices are made as it runs: no stacks to view or index
 
     def __init__(self, num_experts: int, layer: int, cache: ExpertCache, format: QuantFormat,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
-        nn.Module.__init__(self)  # dispatch (forward) is inherited; the weights live in the files, not here
+        nn.Module.__init__(self)  # the weights live in the files, not here
         self.num_experts, self.layer, self.cache, self.format = num_experts, layer, cache, format
         self.dtype, self.device = dtype, torch.device(device)  # of the weights expert_weights returns
 

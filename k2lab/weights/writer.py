@@ -8,7 +8,7 @@ elsewhere, the correction bias in float32.
 
 A safetensors header lists every tensor's offset, so it is written first, from the shapes alone; then each
 tensor is asked for when its turn comes and written out. A true-size MoE layer (17 GB of FP8 experts) is thus
-written with one expert in memory at a time.
+written with one expert in memory at a time. ``save_checkpoint`` writes a K2Model's own weights this way.
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import K2Config
-from .hf_config import config_to_hf
+from ..hf_config import config_to_hf
+from ..model.transformer import K2Model
 from .placement import unit_of
 from .quant import QuantFormat, resolve_format
-from .reader import DTYPE_NAMES, INDEX_FILE
-from .schema import TensorSpec, checkpoint_tensors
+from .quant.base import QuantizedResident
+from .reader import DTYPE_NAMES, INDEX_FILE, byte_view
+from .schema import EXPERT_TENSOR, TensorSpec, checkpoint_tensors
+from .streaming import StreamedExperts
 
 _SHARD = re.compile(r"model(-\d+-of-\d+)?\.safetensors")  # a shard name, replaced by a new write
 # A tensor for a spec: a float tensor (quantized here if the format quantizes the spec), or the format's stored
@@ -38,14 +41,14 @@ TensorSource = Callable[[TensorSpec], torch.Tensor | tuple[torch.Tensor, ...]]
 
 
 def write_checkpoint(folder: str | Path, cfg: K2Config, source: TensorSource, *, num_shards: int = 1,
-                     fp8: bool = True, format: QuantFormat | str | None = None, dtype: torch.dtype = torch.bfloat16,
+                     format: QuantFormat | str = "fp8", dtype: torch.dtype = torch.bfloat16,
                      extra: Mapping[str, torch.Tensor] | None = None, progress: bool = False) -> Path:
     """Write the checkpoint of ``cfg`` into ``folder`` in the release layout; returns the folder.
 
     ``source(spec)`` gives each tensor when it is written. ``format`` (a QuantFormat or a name: ``"fp8"``,
-    ``"int4"``, ``"unquantized"``): how matrices are stored; without it, ``fp8`` chooses the release's e4m3 matrices
-    in 128x128 blocks, or every matrix in ``dtype``. ``extra``: more tensors for the first shard, as given (tests add
-    the stale ``rotary_emb.inv_freq`` some checkpoints carry).
+    ``"int4"``, ``"unquantized"``): how matrices are stored; ``"fp8"``, the default, is the release's e4m3 matrices
+    in 128x128 blocks, ``"unquantized"`` every matrix in ``dtype``. ``extra``: more tensors for the first shard, as
+    given (tests add the stale ``rotary_emb.inv_freq`` some checkpoints carry).
 
     Nothing is half-written: the arguments are checked before the first byte, the files go into a temporary
     sibling folder, and only a complete checkpoint replaces ``folder`` (its other files, such as a tokenizer, are
@@ -54,7 +57,7 @@ def write_checkpoint(folder: str | Path, cfg: K2Config, source: TensorSource, *,
     place one by one.
     """
     folder = Path(folder)
-    fmt = resolve_format(format, fp8)
+    fmt = resolve_format(format)
     _check_write_args(folder, cfg, source, num_shards, dtype, extra)
     swap = not (folder.is_dir() and (os.path.ismount(folder) or not os.access(folder.parent, os.W_OK)))
     tag = f"writing-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -71,6 +74,41 @@ def write_checkpoint(folder: str | Path, cfg: K2Config, source: TensorSource, *,
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return folder
+
+
+def save_checkpoint(model: K2Model, folder: str | Path, *, num_shards: int = 1,
+                    format: QuantFormat | str = "fp8") -> Path:
+    """Write a model into ``folder`` in the release layout, per-expert tensor names, its matrices in ``format`` (a
+    QuantFormat or a name; default: FP8 in 128x128 blocks, as released), in ``num_shards`` shards of whole blocks;
+    returns the folder. A model whose weights are not all in memory as plain tensors (streamed experts,
+    quantized-resident matrices, meta tensors) is refused before anything is written; the write itself replaces
+    ``folder`` only once complete (``write_checkpoint``)."""
+    _check_saveable(model)
+    state = model.state_dict()
+
+    def tensor(spec: TensorSpec) -> torch.Tensor:
+        expert = EXPERT_TENSOR.fullmatch(spec.name)
+        if expert:
+            layer, index, proj = expert.groups()
+            return state[f"layers.{layer}.mlp.experts.{proj}"][int(index)]
+        return state[spec.name.removeprefix("model.")]
+
+    return write_checkpoint(folder, model.config, tensor, num_shards=num_shards, format=format)
+
+
+def _check_saveable(model: K2Model) -> None:
+    if not isinstance(model, K2Model):
+        raise TypeError(f"model must be a K2Model, got {type(model).__name__}")
+    for name, module in model.named_modules():
+        if isinstance(module, StreamedExperts):
+            raise ValueError(f"model cannot be saved: its routed experts are streamed from the files (load without "
+                             f"expert_budget_bytes); {name} is a {type(module).__name__}")
+        if isinstance(module, QuantizedResident):
+            raise ValueError(f"model cannot be saved: it holds quantized-resident weights (load with "
+                             f"quantized_resident=False); {name} is a {type(module).__name__}")
+    for name, tensor in model.state_dict().items():
+        if tensor.is_meta:
+            raise ValueError(f"model cannot be saved: {name} is on the meta device (it has no values)")
 
 
 def _check_write_args(folder: Path, cfg: K2Config, source: TensorSource, num_shards: int, dtype: torch.dtype,
@@ -137,7 +175,7 @@ def _replace_files(folder: Path, staging: Path) -> None:
 
 def _write_files(folder: Path, cfg: K2Config, source: TensorSource, *, num_shards: int, fmt: QuantFormat,
                  dtype: torch.dtype, extra: Mapping[str, torch.Tensor] | None, progress: bool) -> None:
-    (folder / "config.json").write_text(json.dumps(config_to_hf(cfg, fmt), indent=2))
+    (folder / "config.json").write_text(json.dumps(config_to_hf(cfg, fmt.quantization_config()), indent=2))
 
     specs = checkpoint_tensors(cfg)
     units = list(dict.fromkeys(_shard_unit(s.name) for s in specs))  # embedding, each block, norm + head
@@ -154,10 +192,10 @@ def _write_files(folder: Path, cfg: K2Config, source: TensorSource, *, num_shard
             _write_header(f, layout)
             for spec in mine:
                 for tensor in _tensors(spec, source(spec), fmt, dtype):
-                    f.write(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+                    _write_tensor(f, tensor)
                 bar.update()
             for tensor in extras.values():
-                f.write(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+                _write_tensor(f, tensor)
         for entry_name, entry_dtype, shape in layout:
             weight_map[entry_name] = name
             total += _nbytes(entry_dtype, shape)
@@ -193,6 +231,12 @@ def _tensors(spec: TensorSpec, given: torch.Tensor | tuple[torch.Tensor, ...], f
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def _write_tensor(f, tensor: torch.Tensor) -> None:
+    """A CPU tensor's bytes, as they lie in memory."""
+    data = tensor.contiguous()  # held here while the file reads from its memory
+    f.write(byte_view(data))
 
 
 def _write_header(f, layout: list[tuple]) -> None:

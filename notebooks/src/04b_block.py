@@ -85,8 +85,8 @@ print(f"rms of the rows: before {rms(x).min():.2f} .. {rms(x).max():.2f}; "
 # It needs the rotation angles of each position ([02](02_yarn.ipynb)):
 
 # %%
-cos, sin = model.rotary_emb.cos_sin(torch.arange(T))  # [T, R] each
-attn_out = block.self_attn(normed[None], model.rotary_emb, cos, sin)[0]  # [T, D]
+cos, sin, _ = model.rotary_and_mask(None, None, 1, T, model.device)  # [T, R] each (no pads: no mask)
+attn_out = block.self_attn(normed[None], cos, sin)[0]  # [T, D]
 resid_mid = x + attn_out  # [T, D]
 print(f"max |attention - hook_attn_out| = {gap(attn_out, cache['layers.1.hook_attn_out'][0]):.1e}")
 print(f"max |x + attention - hook_resid_mid| = {gap(resid_mid, cache['layers.1.hook_resid_mid'][0]):.1e}")

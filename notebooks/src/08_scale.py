@@ -54,7 +54,7 @@ viz.parameter_figure(count.table(),
 GiB = 2**30
 print(f"FP8 release:          {k2lab.weight_bytes(k2) / GiB:8.1f} GiB (block scales: "
       f"+{(k2lab.weight_bytes(k2, scales=True) - k2lab.weight_bytes(k2)) / GiB:.2f} GiB)")
-print(f"bfloat16 everywhere:  {k2lab.weight_bytes(k2, fp8=False) / GiB:8.1f} GiB")
+print(f"bfloat16 everywhere:  {k2lab.weight_bytes(k2, format='unquantized') / GiB:8.1f} GiB")
 for tokens in (4_096, 32_768, 131_072):
     print(f"KV cache, {tokens:>7,} tokens: {k2lab.kv_cache_bytes(k2, tokens) / GiB:5.2f} GiB latent, "
           f"{k2lab.kv_cache_bytes(k2, tokens, layout='expanded') / GiB:7.1f} GiB expanded")
@@ -156,9 +156,9 @@ fig
 from k2lab.weights.load import slice_layers
 
 budget = 4 * GiB
-print(k2lab.plan(k2, devices=[torch.device("cpu")], fp8=False, expert_budget_bytes=budget))
+print(k2lab.plan(k2, devices=[torch.device("cpu")], format="unquantized", expert_budget_bytes=budget))
 print()
-print(k2lab.plan(slice_layers(k2, 4), devices=[torch.device("cpu")], fp8=False,
+print(k2lab.plan(slice_layers(k2, 4), devices=[torch.device("cpu")], format="unquantized",
                  expert_budget_bytes=budget))
 
 # %% [markdown]

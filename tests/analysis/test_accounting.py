@@ -43,8 +43,8 @@ def test_kv_cache_bytes():
 
 
 def test_fp8_weight_bytes():
-    assert round(k2lab.weight_bytes(K2, fp8=True) / GIB, 1) == 958.3
-    tied = k2lab.weight_bytes(K2, fp8=True) - 2 * 1_174_405_120
+    assert round(k2lab.weight_bytes(K2, format="fp8") / GIB, 1) == 958.3
+    tied = k2lab.weight_bytes(K2, format="fp8") - 2 * 1_174_405_120
     assert round(tied / GIB, 1) == 956.1
 
 

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 
-# Debian's Chromium, started as the machine notes say: no sandbox (CI runs as root), no GPU, and none of the
+# Debian's Chromium, started for a headless CI container: no sandbox (CI runs as root), no GPU, and none of the
 # background traffic (component updates, sync, safe-browsing lists) that a closed network refuses many times a second.
 # Playwright gives every launch a new empty profile itself (it refuses a --user-data-dir argument).
 CHROMIUM_ARGS = [

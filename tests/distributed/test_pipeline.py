@@ -92,7 +92,7 @@ def test_stages_are_the_split_asked_for(two_ranks, three_ranks):
     assert [expected_two[u] for u in ("embed_tokens", "layers.0", "layers.1", "lm_head")] == [0, 0, 1, 1]
     assert all(r["stages"] == expected_two for r in two_ranks)
     # Every rank computed the same plan as this process does over the same capacities.
-    planned = k2lab.plan(CONFIG, THREE_CAPACITIES, fp8=False, dtype=torch.float32).units
+    planned = k2lab.plan(CONFIG, THREE_CAPACITIES, format="unquantized", dtype=torch.float32).units
     assert all(r["stages"] == planned for r in three_ranks)
     assert sorted(set(planned.values())) == [0, 1, 2] and planned["layers.2"] == 1
 

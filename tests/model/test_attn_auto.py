@@ -26,13 +26,13 @@ def paths_taken(monkeypatch):
     """Records, call by call, which path each attention layer ran ("naive" or "absorbed")."""
     taken: list[str] = []
     for impl in ("naive", "absorbed"):
-        original = getattr(MultiHeadLatentAttention, f"_{impl}")
+        original = getattr(MultiHeadLatentAttention, impl)
 
         def spy(self, *args, impl=impl, original=original):
             taken.append(impl)
             return original(self, *args)
 
-        monkeypatch.setattr(MultiHeadLatentAttention, f"_{impl}", spy)
+        monkeypatch.setattr(MultiHeadLatentAttention, impl, spy)
     return taken
 
 

@@ -14,7 +14,6 @@ from tiny import TINY, random_model, token_ids
 from torch._dynamo.utils import counters
 
 import k2lab
-from k2lab.model.moe import RoutedExperts
 
 
 @pytest.fixture(scope="module")
@@ -114,39 +113,22 @@ def test_compile_refuses_an_observed_model_and_bad_values():
         k2lab.generate(torch.nn.Identity(), ids, 2, compile=True)
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_indexed_experts_equal_the_eager_dispatch(tokens):
-    """The compiled graph's expert path (matrices read by index) against the eager dispatch by expert, run eagerly
-    here on the same routing: outputs and gradients agree to float32 rounding."""
-    experts = random_model(TINY, seed=3).layers[1].mlp.experts
-    x = torch.randn(tokens, TINY.hidden_size, generator=torch.Generator().manual_seed(0))
-    idx = torch.stack([torch.randperm(TINY.n_routed_experts, generator=torch.Generator().manual_seed(t))
-                       [: TINY.num_experts_per_tok] for t in range(tokens)])  # [N, k] distinct per token
-    outs = []
-    for run in (experts.indexed, experts.dispatch):
-        experts.zero_grad(set_to_none=True)
-        out = run(x, idx)  # [N, k, D]
-        out.square().sum().backward()
-        outs.append((out.detach(), experts.gate_proj.grad, experts.down_proj.grad))
-    for indexed, dispatched in zip(*outs, strict=True):
-        assert relative_error(indexed, dispatched) < 1e-5
+@pytest.mark.parametrize(("stacked", "tokens", "expected"),
+                         [(True, 1, "indexed"), (True, 64, "loop"), (False, 1, "grouped")])
+def test_under_compile_only_few_tokens_of_stacked_experts_are_read_by_index(monkeypatch, stacked, tokens, expected):
+    """More slots than experts (a compiled training step) keep the eager paths, and so do experts made per use
+    (streamed, quantized: ``stacked`` False), whose matrices are no stacks to index."""
+    import k2lab.model.moe as moe_module
 
-
-@pytest.mark.parametrize(("pairs_in_place", "tokens", "expected"),
-                         [(True, 1, "indexed"), (True, 64, "dispatch"), (False, 1, "dispatch")])
-def test_under_compile_only_few_tokens_of_in_place_experts_are_read_by_index(pairs_in_place, tokens, expected):
-    """More slots than experts (a compiled training step) keep the eager dispatch, and so do experts made per use
-    (streamed, quantized: ``pairs_in_place`` False), whose matrices are no stacks to index."""
-    experts = random_model(TINY, seed=3).layers[1].mlp.experts
-    experts.pairs_in_place = pairs_in_place
-    x = torch.randn(tokens, TINY.hidden_size)
-    idx = torch.randint(0, TINY.n_routed_experts, (tokens, TINY.num_experts_per_tok))
+    moe = random_model(TINY, seed=3).layers[1].mlp
+    moe.experts.stacked = stacked
     called = []
-    with mock.patch("torch.compiler.is_compiling", return_value=True), \
-            mock.patch.object(RoutedExperts, "indexed", side_effect=lambda *a: called.append("indexed")), \
-            mock.patch.object(RoutedExperts, "dispatch", side_effect=lambda *a: called.append("dispatch")):
-        experts(x, idx)
-    assert called == [expected]
+    for room in ("indexed_experts", "grouped_experts"):
+        real = getattr(moe_module, room)
+        monkeypatch.setattr(moe_module, room, lambda *a, room=room, real=real: called.append(room) or real(*a))
+    with mock.patch("torch.compiler.is_compiling", return_value=True), torch.no_grad():
+        moe(torch.randn(1, tokens, TINY.hidden_size))
+    assert (called[0].removesuffix("_experts") if called else "loop") == expected
 
 
 def test_a_cache_reserves_its_capacity_and_names_a_bad_one():

@@ -51,7 +51,7 @@ def test_a_hook_that_runs_the_model_again_is_stopped(model, ids):
     def recursive(t, hook):
         model.run_with_cache(ids, names="hook_resid_post")
 
-    with pytest.raises(RuntimeError, match="called while its own forward is running") as err:
+    with pytest.raises(RuntimeError, match="called from a hook while its own forward is running") as err:
         with torch.no_grad(), model.hooks(fwd_hooks=[("layers.0.hook_resid_post", recursive)]):
             model(ids)
     assert "raised by a hook on layers.0.hook_resid_post" in "".join(err.value.__notes__)

@@ -1,7 +1,7 @@
 """Inference mode: generate runs its forwards in it when nothing observes the model, and under no_grad when a hook
 does, so that what a hook keeps can still enter autograd; its result is an ordinary tensor either way. A plain call
-under no_grad switches to it the same way, and what it returns or leaves in the cache is ordinary. A latent cache
-filled in inference mode goes on working outside it."""
+never switches by itself: it runs in its caller's mode. A latent cache filled in inference mode goes on working
+outside it."""
 
 from __future__ import annotations
 
@@ -135,48 +135,33 @@ def test_a_cache_filled_in_inference_mode_works_outside_it(model):
     torch.testing.assert_close(torch.cat([prefill, step, second, third], dim=1), whole, atol=1e-4, rtol=0)
 
 
-def test_a_rotary_table_first_made_in_inference_mode_stays_ordinary():
+def test_a_rotary_table_first_made_in_inference_mode_stays_ordinary(model):
     """A device's copy of the rotary frequencies is kept for every later call: made in inference mode (the first
     generate on a GPU), it would break a compiled training step there, which saves it for backward."""
-    from k2lab.model.rope import RotaryEmbedding
-
-    rope = RotaryEmbedding(k2lab.K2Config.mini())
+    meta = torch.device("meta")  # a device the table is not on yet
     with torch.inference_mode():
-        cos, _ = rope.cos_sin(torch.arange(3, device="meta"))  # a device the table is not on yet
+        cos, _, _ = model.rotary_and_mask(None, None, 1, 3, meta)
     assert cos.is_inference()  # what the call returns belongs to the call's mode
-    assert not rope._on_device[torch.device("meta")].is_inference()
+    assert not model._inv_freq_on.pop(meta).is_inference()
 
 
-def test_an_unobserved_no_grad_call_runs_in_inference_mode_and_returns_ordinary_tensors(model, ids):
+def test_a_plain_call_runs_in_its_callers_mode_with_the_same_logits(model, ids):
     with torch.no_grad():
-        (logits, loss), seen = blocks_modes(lambda: model(ids, return_type="both"))
-        hidden, seen_hidden = blocks_modes(lambda: model.last_hidden_state(ids))
-    assert seen == seen_hidden == [True]
-    assert not any(t.is_inference() for t in (logits, loss, hidden))
-    # A teacher's logits are saved for the student's backward in distillation: an inference tensor could not be.
-    student = torch.zeros_like(logits, requires_grad=True)
-    (student * logits).sum().backward()
-    torch.testing.assert_close(student.grad, logits, rtol=0, atol=0)
-
-
-def test_observed_and_training_calls_stay_out_of_inference_mode_with_the_same_logits(model, ids):
-    with torch.no_grad():
-        fast, seen = blocks_modes(lambda: model(ids))
-        with model.hooks(fwd_hooks=[("hook_logits", lambda t, hook: None)]):
-            slow, seen_observed = blocks_modes(lambda: model(ids))
+        plain, seen_no_grad = blocks_modes(lambda: model(ids))
+    with torch.inference_mode():
+        fast, seen_inference = blocks_modes(lambda: model(ids))
     trained, seen_training = blocks_modes(lambda: model(ids))
-    assert (seen, seen_observed, seen_training) == ([True], [False], [False])
-    assert trained.requires_grad
-    assert torch.equal(fast, slow) and torch.equal(fast, trained.detach())
+    assert (seen_no_grad, seen_inference, seen_training) == ([False], [True], [False])
+    assert not plain.is_inference() and fast.is_inference() and trained.requires_grad
+    assert torch.equal(plain, fast) and torch.equal(plain, trained.detach())
 
 
-def test_what_an_unobserved_no_grad_call_leaves_in_the_cache_stays_ordinary(model):
+def test_what_a_call_in_inference_mode_leaves_in_the_cache_stays_ordinary(model):
     ids = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(5))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # row 0 left-padded
     cache = model.new_cache(2, capacity=2)
-    with torch.no_grad():
-        _, seen = blocks_modes(lambda: model(ids, cache=cache, attention_mask=mask))  # grows the buffers: 2 -> 6
-    assert seen == [True]
+    with torch.inference_mode():
+        model(ids, cache=cache, attention_mask=mask)  # grows the buffers: 2 -> 6
     assert not cache.token_mask.is_inference() and not any(b.is_inference() for b in cache._buffers)
     cache.token_mask[1, 0] = False  # hide a cached position by hand: in place, which an inference tensor refuses
     logits = model(ids[:, -1:], cache=cache)  # a decode step with autograd on, through what the call left

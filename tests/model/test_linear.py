@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from hf_oracle import hf_model, relative_error, save_and_load
 from tiny import TINY
 
-from k2lab.model.linear import SPLIT_MAX_ROWS, SPLIT_MIN_BLOCK, linear, split_count
+from k2lab.model.linear import SPLIT_MAX_ROWS, SPLIT_MIN_BLOCK, split_count
+from k2lab.model.linear import split_linear as linear
 
 
 @pytest.fixture

@@ -21,9 +21,8 @@ from release_layout import (
 from safetensors.torch import load_file, save_file
 
 import k2lab
-from k2lab.weights.hf_config import read_config
 from k2lab.weights.quant import UNQUANTIZED
-from k2lab.weights.reader import INDEX_FILE, Checkpoint, CheckpointError
+from k2lab.weights.reader import INDEX_FILE, Checkpoint, CheckpointError, read_config
 from k2lab.weights.writer import write_checkpoint
 
 
@@ -63,7 +62,7 @@ def test_fp8_checkpoint_defaults_to_bfloat16_with_float32_router_bias(folder):
 
 
 def test_unquantized_release_loads_as_stored(tmp_path, tensors):
-    write_checkpoint(tmp_path, TINY_FP8, lambda spec: tensors[spec.name], num_shards=2, fp8=False)
+    write_checkpoint(tmp_path, TINY_FP8, lambda spec: tensors[spec.name], num_shards=2, format="unquantized")
     model = k2lab.load(tmp_path)
     assert model.dtype == torch.bfloat16 and read_config(tmp_path)[1] == UNQUANTIZED
     assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"].bfloat16())

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from k2lab import K2Config
-from k2lab.weights.hf_config import OPTIONAL_KEYS
+from k2lab.hf_config import OPTIONAL_KEYS
 
 RELEASED = json.loads((Path(__file__).parent.parent / "data" / "kimi_k2_instruct_config.json").read_text())
 

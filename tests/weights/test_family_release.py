@@ -77,7 +77,7 @@ def test_moonlight_release_in_bfloat16(tmp_path):
     from k2lab.weights.writer import write_checkpoint
 
     cfg = MOONLIGHT_TINY
-    write_checkpoint(tmp_path, cfg, lambda spec: tensors[spec.name], num_shards=2, fp8=False)
+    write_checkpoint(tmp_path, cfg, lambda spec: tensors[spec.name], num_shards=2, format="unquantized")
     model = k2lab.load(tmp_path, dtype=torch.float32)
     assert model.config.q_lora_rank is None and model.config.rope_type is None
     stored = {k: v.bfloat16().float() for k, v in tensors.items()}

@@ -45,9 +45,12 @@ def test_scale_grid_of_k2_kv_a_proj_has_five_row_blocks():
 
 def test_every_e4m3_byte_converts_exactly():
     every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8)
-    ours, torch_cast = to_float32(every), every.float()
-    assert torch.equal(ours.isnan(), torch_cast.isnan())
-    assert torch.equal(ours.nan_to_num(), torch_cast.nan_to_num())
+    # Bytes are looked up in pairs: an odd count, an odd offset and a strided view take the padded copy.
+    for part in (every, every[1:], every[3:].view(11, 23), every.view(16, 16)[:, 1:]):
+        ours, torch_cast = to_float32(part), part.float()
+        assert ours.shape == part.shape and ours.dtype == torch.float32
+        assert torch.equal(ours.isnan(), torch_cast.isnan())  # a conversion, exact: bit for bit
+        assert torch.equal(ours.nan_to_num(), torch_cast.nan_to_num())
 
 
 @pytest.mark.parametrize("shape, block", [((576, 7168 // 16), (128, 128)), ((56, 200), (32, 48)),
@@ -88,7 +91,8 @@ def test_fp8_linear_weight_is_dequantized_at_each_read():
     layer.weight_fp8, layer.weight_scale_inv = _random_fp8((56, 200), block)
     x = torch.randn(3, 200)
     assert torch.equal(layer.weight, _blockwise(layer.weight_fp8, layer.weight_scale_inv, block))
-    assert torch.equal(layer(x), F.linear(x, layer.weight))
+    # The forward's own product against F.linear's: equal to float32 rounding, at outputs of a few thousand.
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-2)
     assert dict(layer.named_parameters()) == {}  # the e4m3 bytes are buffers: not trained
     assert layer.weight_fp8.nbytes == 56 * 200
 
@@ -107,7 +111,7 @@ def test_fp8_experts_dequantize_the_chosen_expert():
 
 def test_fp8_resident_load_equals_dequantized_load(tmp_path_factory):
     folder = release(tmp_path_factory)
-    resident = k2lab.load(folder, dtype=torch.float32, fp8_resident=True)
+    resident = k2lab.load(folder, dtype=torch.float32, quantized_resident=True)
     dense = k2lab.load(folder, dtype=torch.float32)
     assert isinstance(resident.layers[1].self_attn.kv_b_proj, FP8Linear)
     assert isinstance(resident.layers[1].mlp.experts, FP8RoutedExperts)
@@ -116,7 +120,9 @@ def test_fp8_resident_load_equals_dequantized_load(tmp_path_factory):
     ids = token_ids(TINY_FP8)
     with torch.no_grad():
         for attn_impl in ("naive", "absorbed"):  # absorbed reads kv_b_proj.weight directly
-            assert torch.equal(resident(ids, attn_impl=attn_impl), dense(ids, attn_impl=attn_impl))
+            # The same weights through other modules (and kernels): equal to float32 rounding, not bit for bit.
+            torch.testing.assert_close(resident(ids, attn_impl=attn_impl), dense(ids, attn_impl=attn_impl),
+                                       rtol=1e-5, atol=1e-5)
     fp8_bytes = sum(b.nbytes for name, b in resident.named_buffers() if b.dtype == FP8)
     assert fp8_bytes == sum(b.numel() for name, b in resident.named_buffers() if name.endswith("_fp8"))
 
@@ -132,10 +138,10 @@ def test_gpu_check_exits_cleanly_without_a_gpu():
 
 def test_dtype_and_device_moves_keep_the_e4m3_bytes(tmp_path_factory):
     folder = release(tmp_path_factory)
-    resident = k2lab.load(folder, fp8_resident=True).float()  # bfloat16 at load, then float32
+    resident = k2lab.load(folder, quantized_resident=True).float()  # bfloat16 at load, then float32
     kv_b = resident.layers[1].self_attn.kv_b_proj
     assert kv_b.weight_fp8.dtype == FP8 and kv_b.weight_scale_inv.dtype == torch.float32
     assert kv_b.weight.dtype == torch.float32 and resident.layers[1].mlp.experts.gate_proj_fp8.dtype == FP8
     ids = token_ids(TINY_FP8)
     with torch.no_grad():  # the checkpoint's non-FP8 tensors are bfloat16: widening them is exact
-        assert torch.equal(resident(ids), k2lab.load(folder, dtype=torch.float32)(ids))
+        torch.testing.assert_close(resident(ids), k2lab.load(folder, dtype=torch.float32)(ids), rtol=1e-5, atol=1e-5)

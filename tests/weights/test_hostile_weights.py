@@ -13,9 +13,8 @@ from tiny import MICRO, micro_model
 
 import k2lab
 from k2lab import K2Model
-from k2lab.lab.nano import save_checkpoint
 from k2lab.weights.reader import INDEX_FILE, CheckpointError
-from k2lab.weights.writer import write_checkpoint
+from k2lab.weights.writer import save_checkpoint, write_checkpoint
 
 
 def stored(folder) -> dict[str, torch.Tensor]:
@@ -31,7 +30,7 @@ def stored(folder) -> dict[str, torch.Tensor]:
 def saved(tmp_path):
     """A float32 checkpoint of one model, beside a tokenizer file the writer must keep."""
     folder = tmp_path / "ckpt"
-    save_checkpoint(micro_model(0), folder, fp8=False)
+    save_checkpoint(micro_model(0), folder, format="unquantized")
     (folder / "tiktoken.model").write_text("kept")
     return folder
 
@@ -61,7 +60,7 @@ def test_a_write_failing_midway_leaves_the_old_checkpoint_loadable(saved, failur
     before = stored(saved)
     old = k2lab.load(saved, dtype=torch.float32)
     with pytest.raises(error, match=named):
-        write_checkpoint(saved, MICRO, source_of(micro_model(1), **failure), fp8=False)
+        write_checkpoint(saved, MICRO, source_of(micro_model(1), **failure), format="unquantized")
     after = stored(saved)
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     again = k2lab.load(saved, dtype=torch.float32)
@@ -74,7 +73,7 @@ def test_a_write_failing_midway_leaves_the_old_checkpoint_loadable(saved, failur
 
 def test_a_complete_write_replaces_the_checkpoint_and_keeps_other_files(saved):
     new = micro_model(1)
-    save_checkpoint(new, saved, fp8=False)
+    save_checkpoint(new, saved, format="unquantized")
     loaded = k2lab.load(saved, dtype=torch.float32)
     assert torch.equal(loaded.embed_tokens.weight, new.embed_tokens.weight.bfloat16().float())
     assert (saved / "tiktoken.model").read_text() == "kept"
@@ -91,12 +90,12 @@ def mount_point(saved, monkeypatch):
 def test_a_mount_point_keeps_its_checkpoint_on_failure_and_takes_a_new_one(mount_point):
     before = stored(mount_point)
     with pytest.raises(RuntimeError, match="the source failed midway"):
-        write_checkpoint(mount_point, MICRO, source_of(micro_model(1), fail_at=7), fp8=False)
+        write_checkpoint(mount_point, MICRO, source_of(micro_model(1), fail_at=7), format="unquantized")
     after = stored(mount_point)
     assert all(torch.equal(after[k], before[k]) for k in before)
     assert sorted(p.name for p in mount_point.iterdir()) == sorted(
         ["config.json", INDEX_FILE, "model-1-of-1.safetensors", "tiktoken.model"])
-    write_checkpoint(mount_point, MICRO, source_of(micro_model(1)), fp8=False, num_shards=2)
+    write_checkpoint(mount_point, MICRO, source_of(micro_model(1)), format="unquantized", num_shards=2)
     assert sorted(p.name for p in mount_point.iterdir()) == sorted(
         ["config.json", INDEX_FILE, "model-1-of-2.safetensors", "model-2-of-2.safetensors", "tiktoken.model"])
     new = micro_model(1)
@@ -106,22 +105,31 @@ def test_a_mount_point_keeps_its_checkpoint_on_failure_and_takes_a_new_one(mount
 
 def test_fewer_shards_leave_no_stale_shard(tmp_path):
     folder = tmp_path / "ckpt"
-    write_checkpoint(folder, MICRO, source_of(micro_model(0)), fp8=False, num_shards=3)
-    write_checkpoint(folder, MICRO, source_of(micro_model(0)), fp8=False, num_shards=1)
+    write_checkpoint(folder, MICRO, source_of(micro_model(0)), format="unquantized", num_shards=3)
+    write_checkpoint(folder, MICRO, source_of(micro_model(0)), format="unquantized", num_shards=1)
     assert sorted(p.name for p in folder.glob("*.safetensors")) == ["model-1-of-1.safetensors"]
 
 
-def streamed_or_fp8_resident(saved, kind):
-    save_checkpoint(micro_model(0), saved, fp8=True)
+def test_save_checkpoint_spreads_whole_blocks_over_num_shards(tmp_path):
+    model = micro_model(0)
+    folder = save_checkpoint(model, tmp_path / "ckpt", num_shards=2, format="unquantized")
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == ["model-1-of-2.safetensors",
+                                                                     "model-2-of-2.safetensors"]
+    loaded = k2lab.load(folder, dtype=torch.float32)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight.bfloat16().float())  # the stored bytes, widened
+
+
+def streamed_or_quantized_resident(saved, kind):
+    save_checkpoint(micro_model(0), saved, format="fp8")
     if kind == "streamed":
         return k2lab.load(saved, dtype=torch.float32, expert_budget_bytes=10**6)
-    return k2lab.load(saved, dtype=torch.float32, fp8_resident=True)
+    return k2lab.load(saved, dtype=torch.float32, quantized_resident=True)
 
 
 @pytest.mark.parametrize("kind, named", [("streamed", "model cannot be saved: its routed experts are streamed"),
-                                         ("fp8_resident", "model cannot be saved: it holds quantized-resident")])
+                                         ("quantized_resident", "model cannot be saved: it holds quantized-resident")])
 def test_an_unsaveable_model_is_refused_before_anything_is_written(saved, kind, named):
-    model = streamed_or_fp8_resident(saved, kind)
+    model = streamed_or_quantized_resident(saved, kind)
     before = {p.name: p.read_bytes() for p in saved.iterdir()}
     with pytest.raises(ValueError, match=named):
         save_checkpoint(model, saved)
@@ -143,18 +151,18 @@ def test_a_meta_model_is_refused(tmp_path):
 ])
 def test_bad_writer_arguments_are_named_before_anything_is_written(tmp_path, kwargs, error, named):
     with pytest.raises(error, match=named):
-        write_checkpoint(tmp_path / "ckpt", MICRO, source_of(micro_model(0)), **{"fp8": False, **kwargs})
+        write_checkpoint(tmp_path / "ckpt", MICRO, source_of(micro_model(0)), **{"format": "unquantized", **kwargs})
     assert list(tmp_path.iterdir()) == []
 
 
 def test_writer_refuses_a_file_as_folder_and_a_bad_source(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match="folder .*file exists and is not a folder"):
-        write_checkpoint(tmp_path / "file", MICRO, source_of(micro_model(0)), fp8=False)
+        write_checkpoint(tmp_path / "file", MICRO, source_of(micro_model(0)), format="unquantized")
     with pytest.raises(OSError, match="folder .*file/ckpt: cannot make its parent folder"):
-        write_checkpoint(tmp_path / "file" / "ckpt", MICRO, source_of(micro_model(0)), fp8=False)
+        write_checkpoint(tmp_path / "file" / "ckpt", MICRO, source_of(micro_model(0)), format="unquantized")
     with pytest.raises(TypeError, match="source must be a function"):
-        write_checkpoint(tmp_path / "ckpt", MICRO, {"not": "callable"}, fp8=False)
+        write_checkpoint(tmp_path / "ckpt", MICRO, {"not": "callable"}, format="unquantized")
     with pytest.raises(TypeError, match="model must be a K2Model"):
         save_checkpoint({"a": torch.zeros(1)}, tmp_path / "ckpt")
     assert [p.name for p in tmp_path.iterdir()] == ["file"]
@@ -165,7 +173,7 @@ def test_writer_names_a_read_only_parent(tmp_path):
     tmp_path.chmod(0o500)
     try:
         with pytest.raises(PermissionError, match="cannot write there or beside it"):
-            write_checkpoint(tmp_path / "ckpt", MICRO, source_of(micro_model(0)), fp8=False)
+            write_checkpoint(tmp_path / "ckpt", MICRO, source_of(micro_model(0)), format="unquantized")
     finally:
         tmp_path.chmod(0o700)
 
@@ -202,7 +210,7 @@ def test_load_names_a_bad_argument(saved, kwargs, named):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_block_scale_is_named(tmp_path, bad):
     folder = tmp_path / "ckpt"
-    save_checkpoint(micro_model(0), folder, fp8=True)
+    save_checkpoint(micro_model(0), folder, format="fp8")
     shard = folder / "model-1-of-1.safetensors"
     tensors = load_file(shard)
     name = "model.layers.1.self_attn.q_a_proj.weight_scale_inv"
@@ -214,12 +222,12 @@ def test_a_non_finite_block_scale_is_named(tmp_path, bad):
 
 def test_streamed_experts_refuse_a_file_changed_after_loading(tmp_path):
     folder = tmp_path / "ckpt"
-    save_checkpoint(micro_model(0), folder, fp8=False)
+    save_checkpoint(micro_model(0), folder, format="unquantized")
     model = k2lab.load(folder, dtype=torch.float32, expert_budget_bytes=0)
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         model(ids)
-        save_checkpoint(micro_model(1), folder, fp8=False)  # same names and sizes, other weights
+        save_checkpoint(micro_model(1), folder, format="unquantized")  # same names and sizes, other weights
         with pytest.raises(CheckpointError, match="changed on disk since the model was loaded"):
             model(ids)
 
@@ -231,6 +239,6 @@ def test_load_names_a_source_that_is_not_a_path():
 
 @pytest.mark.parametrize("device", ["tpu", 2.5])
 def test_load_names_a_device_that_is_not_one(tmp_path, device):
-    folder = save_checkpoint(micro_model(0), tmp_path / "ckpt", fp8=False)
-    with pytest.raises(ValueError, match=r"device_map\[''\] = .* is not a device"):
+    folder = save_checkpoint(micro_model(0), tmp_path / "ckpt", format="unquantized")
+    with pytest.raises(ValueError, match=r"device_map\[''\]=.* is not a device"):
         k2lab.load(folder, device_map={"": device})

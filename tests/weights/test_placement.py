@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from release_layout import (
@@ -24,7 +26,7 @@ H200 = 141 * 10**9
 def test_k2_fp8_fits_on_eight_h200_and_not_on_one():
     eight = k2lab.plan(K2, devices=[H200] * 8)
     assert eight.fits and not k2lab.plan(K2, devices=[H200]).fits
-    assert sum(eight.weight_bytes) == weight_bytes(K2, fp8=True, scales=True)
+    assert sum(eight.weight_bytes) == weight_bytes(K2, format="fp8", scales=True)
     assert all(free >= DEFAULT_HEADROOM_BYTES for free in eight.free_bytes)
     assert max(eight.weight_bytes) < 137 * 10**9  # no device holds more than 8 of the ~17 GB MoE blocks
     assert "fits" in str(eight) and "activations and the KV cache" in str(eight)
@@ -39,7 +41,7 @@ def test_plan_is_a_pipeline_embedding_first_head_last():
 
 
 def test_bfloat16_k2_does_not_fit_on_eight_h200():
-    assert not k2lab.plan(K2, devices=[H200] * 8, fp8=False).fits
+    assert not k2lab.plan(K2, devices=[H200] * 8, format="unquantized").fits
 
 
 def test_streamed_experts_leave_the_budget_reserved_on_every_device():
@@ -74,11 +76,27 @@ def test_explicit_map_by_longest_prefix():
     ({"layers.1.mlp": "cpu", "": "cpu"}, "names no unit"),
     ({"layers.9": "cpu", "": "cpu"}, "names no unit"),
     ({"embed_tokens": "cpu"}, "no device for layers.0"),
-    ({"": 7}, "cuda:7 is not available"),
-    ("balanced", "must be None, 'auto' or a mapping"),
+    ({"": 7}, r"device_map\[''\]=7: .*not available"),
+    ("balanced", "device_map='balanced' is not a device: use None, 'auto', one device"),
+    ({"": "gpu"}, r"device_map\[''\]='gpu' is not a device: use 'cpu', 'cuda'"),
+    (True, "device_map must be None, 'auto', one device .* got True"),
+    (["cpu"], r"device_map must be None, 'auto', one device .* got \['cpu'\]"),
 ])
 def test_bad_device_maps(device_map, message):
     with pytest.raises(ValueError, match=message):
+        resolve_device_map(TINY_FP8, device_map)
+
+
+@pytest.mark.parametrize("device_map", ["cpu", torch.device("cpu"), "meta"])
+def test_one_device_takes_every_unit(device_map):
+    devices = resolve_device_map(TINY_FP8, device_map)
+    assert list(devices) == placement_units(TINY_FP8) and set(devices.values()) == {torch.device(device_map)}
+
+
+@pytest.mark.parametrize("device_map", ["cuda", "cuda:1", 0, torch.device("cuda", 1)])
+def test_cuda_is_refused_by_name_where_torch_has_none(monkeypatch, device_map):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=rf"^device_map={re.escape(repr(device_map))}: CUDA is not available here"):
         resolve_device_map(TINY_FP8, device_map)
 
 
@@ -94,6 +112,12 @@ def test_load_with_an_explicit_map_and_per_layer_cache(tmp_path_factory):
     ids = token_ids(TINY_FP8, batch=1)
     with torch.no_grad():
         assert torch.equal(model(ids), reference(ids))
+        # One device for all, as HF spells it: the same model.
+        assert torch.equal(k2lab.load(folder, dtype=torch.float32, device_map="cpu")(ids), reference(ids))
+    on_meta = k2lab.load(folder, dtype=torch.float32, device_map="meta")  # the shapes, nothing read
+    assert all(t.is_meta for t in on_meta.state_dict().values())
+    with pytest.raises(ValueError, match="device_map='cuda:x' is not a device"):
+        k2lab.load(folder, device_map="cuda:x")
     cache = LatentCache(TINY_FP8, 1, torch.float32, ["cpu", "meta", "cpu", "meta"])
     assert [cache.latents(i).device.type for i in range(4)] == ["cpu", "meta", "cpu", "meta"]
 

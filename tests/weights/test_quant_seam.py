@@ -48,11 +48,12 @@ def test_unknown_or_unsupported_formats_are_refused_by_name(config, named):
 
 
 def test_formats_by_name_and_their_refusal():
-    assert resolve_format("fp8") == resolve_format(None, fp8=True) == FP8Format()
-    assert resolve_format("unquantized") is resolve_format(None, fp8=False) is UNQUANTIZED
+    assert resolve_format("fp8") == FP8Format()
+    assert resolve_format("unquantized") is UNQUANTIZED
     assert resolve_format(FP8Format((32, 48))).block == (32, 48)
-    with pytest.raises(ValueError, match="format must be .* got 'nf4'"):
-        resolve_format("nf4")
+    for wrong in ("nf4", None, True):  # None and a bool name no format either
+        with pytest.raises(ValueError, match=f"format must be .* got {wrong!r}"):
+            resolve_format(wrong)
     with pytest.raises(ValueError, match="FP8 block"):
         FP8Format((0, 128))
 
@@ -71,7 +72,7 @@ def test_unquantized_bytes_are_two_per_parameter_with_a_float32_bias():
     params = k2lab.count_parameters(K2).total
     biases = (K2.num_hidden_layers - K2.first_k_dense_replace) * K2.n_routed_experts
     assert k2lab.weight_bytes(K2, format="unquantized") == 2 * params + 2 * biases  # the bias: 4 bytes, not 2
-    assert k2lab.weight_bytes(K2, fp8=False, dtype=torch.float32) == 4 * params
+    assert k2lab.weight_bytes(K2, format="unquantized", dtype=torch.float32) == 4 * params
 
 
 def test_plan_asks_the_format():

@@ -44,7 +44,8 @@ def test_streamed_experts_equal_the_fully_loaded_model(folder, full):
     ids = token_ids(TINY_FP8)
     with torch.no_grad():
         for attn_impl in ("naive", "absorbed"):
-            assert torch.equal(model(ids, attn_impl=attn_impl), full(ids, attn_impl=attn_impl))
+            torch.testing.assert_close(model(ids, attn_impl=attn_impl), full(ids, attn_impl=attn_impl),
+                                       rtol=1e-5, atol=1e-5)  # other expert modules: equal to float32 rounding
     stats = model.expert_cache.stats
     assert stats.evictions > 0 and stats.hits + stats.misses > 0
     assert stats.bytes_read == stats.misses * EXPERT_STORED_BYTES
@@ -69,10 +70,10 @@ def test_experts_kept_during_generation_serve_a_later_forward_under_autograd(fol
 
 
 def test_fp8_resident_streaming_caches_e4m3_and_matches(folder, full):
-    model = k2lab.load(folder, dtype=torch.float32, expert_budget_bytes=10**7, fp8_resident=True)
+    model = k2lab.load(folder, dtype=torch.float32, expert_budget_bytes=10**7, quantized_resident=True)
     ids = token_ids(TINY_FP8, seed=4)
     with torch.no_grad():
-        assert torch.equal(model(ids), full(ids))
+        torch.testing.assert_close(model(ids), full(ids), rtol=1e-5, atol=1e-5)
     stats = model.expert_cache.stats
     assert stats.cached_bytes == stats.misses * EXPERT_STORED_BYTES  # held as stored: e4m3 values and scales
 
@@ -94,15 +95,17 @@ def test_a_zero_budget_streams_every_use_and_keeps_nothing(folder, full):
     model = k2lab.load(folder, dtype=torch.float32, expert_budget_bytes=0)
     ids = token_ids(TINY_FP8, seed=6)
     with torch.no_grad():
-        assert torch.equal(model(ids), full(ids))
+        torch.testing.assert_close(model(ids), full(ids), rtol=1e-5, atol=1e-5)
     assert model.expert_cache.stats.peak_bytes == 0 and model.expert_cache.stats.hits == 0
 
 
 def test_a_streamed_model_follows_a_later_dtype_change(folder):
     model = k2lab.load(folder, dtype=torch.float32, expert_budget_bytes=10**7).bfloat16()
     ids = token_ids(TINY_FP8, seed=7)
-    with torch.no_grad():  # each weight is rounded once from the same float32 values either way
-        assert torch.equal(model(ids), experts_one_at_a_time(k2lab.load(folder, dtype=torch.bfloat16))(ids))
+    assert model.layers[1].mlp.experts.dtype == torch.bfloat16  # the streamed experts' weights follow
+    with torch.no_grad():  # each weight is rounded once from the same float32 values either way; other modules
+        torch.testing.assert_close(model(ids), experts_one_at_a_time(k2lab.load(folder, dtype=torch.bfloat16))(ids),
+                                   rtol=1.6e-2, atol=1e-2)  # compute in bfloat16: equal to its rounding
 
 
 def test_lru_order_and_budget():

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ...config import K2Config
-from ...model.linear import linear
+from ...model.linear import split_linear
 from ...model.moe import RoutedExperts
 from ..schema import EXPERT_PROJS, TensorSpec
 
@@ -145,15 +145,14 @@ def format_from_quantization_config(config: dict[str, Any] | None, where: str = 
     return _REGISTRY[method].from_quantization_config(config, where)
 
 
-def resolve_format(format: QuantFormat | str | None = None, fp8: bool = True) -> QuantFormat:
-    """The format a public function was asked for: ``format`` (a QuantFormat, or a name: ``"fp8"``, ``"int4"``,
-    ``"unquantized"``) when given, else FP8 in 128x128 blocks if ``fp8`` (the K2 release), else unquantized."""
+def resolve_format(format: QuantFormat | str) -> QuantFormat:
+    """The format a public function was asked for: a QuantFormat, or a name: ``"fp8"`` (e4m3 in 128x128 blocks, the
+    K2 release), ``"int4"``, ``"unquantized"``."""
     if isinstance(format, QuantFormat):
         return format
-    name = format if format is not None else ("fp8" if fp8 else UNQUANTIZED.name)
-    if name not in _BY_NAME:
+    if not isinstance(format, str) or format not in _BY_NAME:
         raise ValueError(f"format must be a QuantFormat or one of {sorted(_BY_NAME)}, got {format!r}")
-    return _BY_NAME[name]
+    return _BY_NAME[format]
 
 
 # ---- resident modules: the stored tensors as buffers, dequantized at each use -------------------------------------
@@ -198,7 +197,7 @@ class QuantizedLinear(QuantizedResident):
         return self.format.dequantize(tuple(getattr(self, "weight" + s) for s in self.suffixes), self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return split_linear(x, self.weight)  # F.linear but for a decode step's few rows on the CPU
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}"
@@ -206,9 +205,9 @@ class QuantizedLinear(QuantizedResident):
 
 class QuantizedRoutedExperts(QuantizedResident, RoutedExperts):
     """Routed experts held as stacks of ``format``'s stored tensors, ``{gate,up,down}_proj{suffix}`` [E, ...]; a
-    chosen expert is dequantized when it runs. Dispatch (forward) is RoutedExperts'; only the storage differs."""
+    chosen expert is dequantized when it runs (``expert_weights``); ``MoE`` runs them as it runs any experts."""
 
-    pairs_in_place = False  # each expert's matrices are made as it runs: no stacks to view a pair in
+    stacked = False  # each expert's matrices are made as it runs: no stacks to view or index
 
     def __init__(self, format: QuantFormat, cfg: K2Config, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None):

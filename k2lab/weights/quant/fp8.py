@@ -28,10 +28,14 @@ from .base import QuantFormat, QuantizedLinear, QuantizedRoutedExperts, Stored, 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
 
-# The exact float32 value of each of the 256 e4m3 bytes. On the CPU torch casts e4m3 with scalar code; looking
-# bytes up in this table gives the same numbers about twice as fast (docs/experiments.md), which matters when
-# experts are streamed and dequantized on every cache miss.
-_FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float().numpy()
+# The exact float32 values of every pair of e4m3 bytes (512 KiB): row v packs, in one float64 slot, the values of
+# the two bytes of the int16 whose unsigned reading is v (the int32 -> int16 cast wraps 32768..65535 to the
+# negatives), in memory order. Eager torch casts e4m3 with scalar code on the CPU; looking pairs up in this table
+# gives the same numbers about twice as fast (docs/experiments.md), which matters when experts are streamed and
+# dequantized on every cache miss. Pairs rather than single bytes: widening each byte to an index costs about as
+# much as the lookup itself, and a pair halves the indices.
+_FP8_PAIR_VALUES = (torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.uint8).view(FP8).float()
+                    .view(torch.float64))
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
@@ -41,9 +45,13 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, in
 
 def to_float32(weight: torch.Tensor) -> torch.Tensor:
     """e4m3 -> float32, exactly (a new tensor)."""
-    if weight.device.type != "cpu":
+    if weight.device.type != "cpu" or torch.compiler.is_compiling():  # a compiled graph casts in generated code
         return weight.float()
-    return torch.from_numpy(_FP8_VALUES[weight.contiguous().view(torch.uint8).numpy()])
+    data = weight.contiguous().view(-1).view(torch.uint8)
+    if data.numel() % 2 or data.storage_offset() % 2:  # pairs need an even count at an even offset: copy, pad
+        data = torch.cat([data, data.new_zeros(data.numel() % 2)])
+    pairs = data.view(torch.int16).int().bitwise_and_(0xFFFF)  # the int16 read as unsigned: a row of the table
+    return _FP8_PAIR_VALUES.index_select(0, pairs).view(torch.float32)[:weight.numel()].view(weight.shape)
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..model.hooks import MODEL_PROBES, get_act_name
+from .hooks import MODEL_PROBES, get_act_name
 
 if TYPE_CHECKING:
-    from ..model.transformer import K2Model
+    from .transformer import K2Model
 
 Pos = int | slice | None  # a position selector along T; an int drops the T dimension
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")

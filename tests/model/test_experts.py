@@ -1,6 +1,7 @@
-"""RoutedExperts' dispatch: experts run in pairs of similar load as one batched product over a strided view of the
-stacks, rows padded to the pair's larger load. Checked against each slot run through its expert on its own, in
-float64, and at one thread and two (a batched product splits its pair over threads)."""
+"""The routed experts, three ways: MoE's reference loop, the grouped dispatch (model/dispatch.py: tokens sorted by
+expert, experts of similar load in pairs of batched products over strided views of the stacks) and the experts read
+by index (model/indexed.py). Each is checked against every slot run through its expert on its own in float64, at one
+thread and two (a batched product splits its pair over threads), and so are their gradients."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch.nn.functional as F
 from hf_oracle import relative_error
 from tiny import TINY
 
-from k2lab.model.moe import RoutedExperts, StackSlices, group_span
+from k2lab.model.dispatch import StackSlices, expert_groups, group_span, grouped_experts
+from k2lab.model.indexed import indexed_experts
+from k2lab.model.moe import MoE, RoutedExperts
 
-E = TINY.n_routed_experts
+E, D = TINY.n_routed_experts, TINY.hidden_size
 
 
 @pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
@@ -33,56 +36,75 @@ def _experts(seed: int = 0) -> RoutedExperts:
 
 
 def _route(tokens: int, k: int, seed: int = 1) -> torch.Tensor:
-    """[tokens, k] distinct experts per token, drawn with skewed odds so that loads are uneven and some experts
+    """[1, tokens, k] distinct experts per token, drawn with skewed odds so that loads are uneven and some experts
     get no token."""
     odds = torch.linspace(1, 12, E) ** 2
     odds[E // 2] = 0  # never chosen
     gen = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.multinomial(odds, k, generator=gen) for _ in range(tokens)])
+    return torch.stack([torch.multinomial(odds, k, generator=gen) for _ in range(tokens)])[None]
 
 
 def _each_slot_alone(experts: RoutedExperts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """[N, k, D]: slot (t, j) is token t through expert idx[t, j], one row at a time, in float64."""
+    """[1, N, k, D]: slot (t, j) is token t through expert idx[0, t, j], one row at a time, in float64."""
     gate, up, down = (w.double() for w in (experts.gate_proj, experts.up_proj, experts.down_proj))
-    rows = [[F.silu(gate[e] @ x[t].double()) * (up[e] @ x[t].double()) @ down[e].T for e in route.tolist()]
-            for t, route in enumerate(idx)]
-    return torch.stack([torch.stack(row) for row in rows])
+    rows = [[F.silu(gate[e] @ x[0, t].double()) * (up[e] @ x[0, t].double()) @ down[e].T for e in route.tolist()]
+            for t, route in enumerate(idx[0])]
+    return torch.stack([torch.stack(row) for row in rows])[None]
 
 
-def _count_pairs(experts: RoutedExperts) -> list[tuple[int, ...]]:
-    calls = []
-    group_weights = experts.group_weights
+class _FixedRoute(torch.nn.Module):
+    """A router that always returns the given route (and weights of one), so that MoE runs its experts on it."""
 
-    def counting(groups):
-        calls.extend(group for group in groups if len(group) == 2)
-        return group_weights(groups)
+    def __init__(self, idx: torch.Tensor):
+        super().__init__()
+        self.idx = idx
 
-    experts.group_weights = counting
-    return calls
+    def forward(self, x):
+        return self.idx, torch.ones(self.idx.shape)
+
+
+def _loop(experts: RoutedExperts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """MoE's reference loop on a given route: what its hook_expert_out shows."""
+    moe = MoE(TINY.replace(n_shared_experts=0))
+    moe.experts, moe.gate, moe.grouped = experts, _FixedRoute(idx), False
+    seen = []
+    moe.hook_expert_out.fns.append(lambda t, hook: seen.append(t))
+    moe(x)
+    return seen[0]
+
+
+def _one_at_a_time(experts: RoutedExperts) -> RoutedExperts:
+    experts.stacked = False  # as streamed and quantized experts run: each expert's matrices from expert_weights
+    return experts
+
+
+RUNS = {
+    "loop": _loop,
+    "grouped in pairs": grouped_experts,
+    "grouped one at a time": lambda experts, x, idx: grouped_experts(_one_at_a_time(experts), x, idx),
+    "indexed": indexed_experts,
+}
 
 
 @pytest.mark.parametrize(("tokens", "k"), [(1, 4), (1, 3), (2, 4), (37, 4), (37, 3)])
-@pytest.mark.parametrize("in_pairs", [True, False], ids=["in pairs", "one at a time"])
-def test_dispatch_equals_each_slot_through_its_expert(threads, tokens, k, in_pairs):
+@pytest.mark.parametrize("run", RUNS)
+def test_every_way_of_running_the_experts_equals_each_slot_through_its_expert(threads, tokens, k, run):
     experts = _experts()
-    experts.pairs_in_place = in_pairs  # False: as streamed and quantized experts run
-    x = torch.randn(tokens, TINY.hidden_size, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(1, tokens, D, generator=torch.Generator().manual_seed(2))
     idx = _route(tokens, k)
-    pairs = _count_pairs(experts)
     with torch.no_grad():
-        out = experts(x, idx)
-    assert out.shape == (tokens, k, TINY.hidden_size)
+        out = RUNS[run](experts, x, idx)
+    assert out.shape == (1, tokens, k, D)
     assert relative_error(out, _each_slot_alone(experts, x, idx)) < 1e-6
-    chosen = idx.unique().numel()
-    assert len(pairs) == (chosen // 2 if in_pairs else 0) and all(first < second for first, second in pairs)
 
 
-def test_gradients_equal_each_slot_through_its_expert(threads):
+@pytest.mark.parametrize("run", ["loop", "grouped in pairs", "indexed"])
+def test_gradients_equal_each_slot_through_its_expert(threads, run):
     experts = _experts()
-    x = torch.randn(37, TINY.hidden_size, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    x = torch.randn(1, 37, D, generator=torch.Generator().manual_seed(2), requires_grad=True)
     idx = _route(37, 4)
-    upstream = torch.randn(37, 4, TINY.hidden_size, generator=torch.Generator().manual_seed(3))
-    (experts(x, idx) * upstream).sum().backward()
+    upstream = torch.randn(1, 37, 4, D, generator=torch.Generator().manual_seed(3))
+    (RUNS[run](experts, x, idx) * upstream).sum().backward()
     ours = [x.grad] + [p.grad for p in (experts.gate_proj, experts.up_proj, experts.down_proj)]
 
     reference = _experts()
@@ -97,20 +119,16 @@ def test_gradients_equal_each_slot_through_its_expert(threads):
 
 def test_groups_pair_experts_of_similar_load_in_id_order():
     counts = [5, 0, 1, 9, 2, 8, 0, 3, 4] + [0] * (E - 9)
-    experts = _experts()
     # By load: expert 2 (1), 4 (2), 7 (3), 8 (4), 0 (5), 5 (8), 3 (9): pairs of neighbours, the last one alone.
-    assert experts.groups(counts) == [(2, 4), (7, 8), (0, 5), (3,)]
-    experts.pairs_in_place = False
-    assert experts.groups(counts) == [(0,), (2,), (3,), (4,), (5,), (7,), (8,)]
+    assert expert_groups(counts, pairs=True) == [(2, 4), (7, 8), (0, 5), (3,)]
+    assert expert_groups(counts, pairs=False) == [(0,), (2,), (3,), (4,), (5,), (7,), (8,)]
 
 
-def test_group_weights_are_views_of_the_stacks():
-    experts = _experts()
-    (gate, up, down), (single_gate, _, single_down) = experts.group_weights([(3, 11), (5,)])
-    assert gate.data_ptr() == experts.gate_proj[3].data_ptr() and torch.equal(gate[1], experts.gate_proj[11])
-    assert torch.equal(up, experts.up_proj[[3, 11]]) and torch.equal(down, experts.down_proj[[3, 11]])
-    assert single_gate.shape == (1, *experts.gate_proj.shape[1:]) and torch.equal(single_down[0], experts.down_proj[5])
-    assert single_gate.data_ptr() == experts.gate_proj[5].data_ptr()
+def test_a_pair_reads_a_strided_view_of_the_stack():
+    stack = _experts().gate_proj
+    pair = stack[group_span((3, 11))]
+    assert pair.data_ptr() == stack[3].data_ptr() and torch.equal(pair, stack[[3, 11]])
+    assert torch.equal(stack[group_span((5,))], stack[[5]])
 
 
 def test_stack_slices_backward_equals_slicing_and_is_one_node_per_stack():
@@ -126,8 +144,8 @@ def test_stack_slices_backward_equals_slicing_and_is_one_node_per_stack():
     sum((plain[group_span(g)] * w).sum() for g, w in zip(groups[:-1], weights, strict=False)).backward()
     assert torch.equal(stack.grad, plain.grad) and stack.grad[5].abs().max() == 0
 
-    x = torch.randn(37, TINY.hidden_size, generator=gen, requires_grad=True)
-    out = _experts()(x, _route(37, 4))
+    x = torch.randn(1, 37, D, generator=gen, requires_grad=True)
+    out = grouped_experts(_experts(), x, _route(37, 4))
     nodes, frontier = set(), [out.grad_fn]
     while frontier:  # every node of the backward graph
         node = frontier.pop()
@@ -146,14 +164,29 @@ def test_stack_slices_run_only_where_a_gradient_may_flow_into_the_stacks(monkeyp
     forward = StackSlices.forward
     monkeypatch.setattr(StackSlices, "forward", staticmethod(lambda ctx, *a: calls.append(1) or forward(ctx, *a)))
     experts, idx = _experts(), _route(11, 4)
-    x = torch.randn(11, TINY.hidden_size, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    trained = experts(x, idx)
+    x = torch.randn(1, 11, D, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    trained = grouped_experts(experts, x, idx)
     (x_grad,) = torch.autograd.grad(trained.square().sum(), x)
     assert len(calls) == 3  # gate, up, down
     with torch.no_grad():
-        assert torch.equal(experts(x, idx), trained)
+        assert torch.equal(grouped_experts(experts, x, idx), trained)
     experts.requires_grad_(False)
-    frozen = experts(x, idx)
+    frozen = grouped_experts(experts, x, idx)
     assert torch.equal(frozen, trained)
     assert torch.equal(torch.autograd.grad(frozen.square().sum(), x)[0], x_grad)
     assert len(calls) == 3  # neither call went through StackSlices
+
+
+@pytest.mark.parametrize(("tokens", "grouped", "expected"), [
+    (1, None, "grouped"), (16, None, "grouped"), (17, None, "loop"), (40, True, "grouped"), (1, False, "loop")])
+def test_moe_runs_the_grouped_dispatch_for_few_tokens_or_when_told(monkeypatch, tokens, grouped, expected):
+    """MoE.grouped: None runs the reference loop but for a forward of at most FEW_TOKENS (16) tokens."""
+    import k2lab.model.moe as moe_module
+
+    calls = []
+    monkeypatch.setattr(moe_module, "grouped_experts", lambda *a: calls.append(1) or grouped_experts(*a))
+    moe = MoE(TINY)
+    moe.grouped = grouped
+    with torch.no_grad():
+        moe(torch.randn(1, tokens, D))
+    assert ("grouped" if calls else "loop") == expected

@@ -4,6 +4,10 @@ The family read here: Kimi K2 (Base, Instruct, 0905, Thinking), Moonlight, DeepS
 multi-token-prediction block is counted, not loaded) and DeepSeek-V2(-Lite) (softmax router). Models that need
 machinery k2lab does not have (V3.2's sparse-attention indexer, Kimi-Linear's delta attention, ...) and anything
 else k2lab does not implement are refused by name rather than approximated.
+
+The architecture only: a config's ``quantization_config`` says how the weights are stored, which
+``k2lab.weights.reader.read_config`` reads beside the architecture (the stored formats live in ``k2lab.weights``,
+downstream of this module).
 """
 
 from __future__ import annotations
@@ -13,8 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..config import K2Config
-from .quant import QuantFormat, format_from_quantization_config
+from .config import K2Config
 
 # Keys of a HF config that describe the file, the training run or HF runtime switches, not the computation
 # k2lab performs. They are read and dropped. Everything not listed here or handled below is refused.
@@ -61,35 +64,37 @@ _ROPE_FIELDS = frozenset({"rope_type", "rope_factor", "original_max_position_emb
 def config_from_hf(source: str | Path | dict) -> K2Config:
     """Read a HF ``config.json`` (a path to the file or its folder, or the parsed dict): the architecture.
 
-    Accepts Kimi's release (``model_type: kimi_k2``, ``rope_scaling``, FP8 ``quantization_config``), HF 5
-    (``rope_parameters``) and DeepseekV3 configs. Raises ValueError naming any key or value k2lab does not
-    implement (another scoring function, MTP layers, an unknown quantization, ...) and any required key missing.
+    Accepts Kimi's release (``model_type: kimi_k2``, ``rope_scaling``), HF 5 (``rope_parameters``) and DeepseekV3
+    configs. Raises ValueError naming any key or value k2lab does not implement (another scoring function, MTP
+    layers, another attention, ...) and any required key missing. The ``quantization_config`` is left to
+    ``k2lab.weights``: it says how weights are stored, not what the model computes.
     """
-    return read_config(source)[0]
+    return config_from_hf_dict(*read_hf_json(source))
 
 
-def read_config(source: str | Path | dict) -> tuple[K2Config, QuantFormat]:
-    """A checkpoint's config.json (a path to the file or its folder, or the parsed dict): the architecture, and the
-    stored format its ``quantization_config`` announces (``UNQUANTIZED`` without one). See ``config_from_hf``."""
+def config_from_hf_dict(raw: dict[str, Any], where: str = "config") -> K2Config:
+    """The architecture of a parsed config.json, ``where`` naming it in errors; see ``config_from_hf``."""
+    return K2Config(**_fields_from_hf(raw, where))
+
+
+def read_hf_json(source: str | Path | dict) -> tuple[dict[str, Any], str]:
+    """A config.json as a dict (a path to the file or its folder, or the dict itself, copied), and what to call it
+    in errors: its path, or ``"config"``."""
     if isinstance(source, dict):
-        raw, where = dict(source), "config"
-    else:
-        path = Path(source)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json at {path}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON: {err}") from err
-        where = str(path)
-    fmt = format_from_quantization_config(raw.get("quantization_config"), where)
-    return K2Config(**_fields_from_hf(raw, where)), fmt
+        return dict(source), "config"
+    path = Path(source)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json at {path}")
+    try:
+        return json.loads(path.read_text()), str(path)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
 
 
-def config_to_hf(cfg: K2Config, format: QuantFormat | None = None) -> dict[str, Any]:
-    """This config as a HF DeepseekV3 ``config.json`` dict (HF 5 style, ``rope_parameters``), with ``format``'s
-    ``quantization_config`` when it has one."""
+def config_to_hf(cfg: K2Config, quantization_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """This config as a HF DeepseekV3 ``config.json`` dict (HF 5 style, ``rope_parameters``), with the stored
+    format's ``quantization_config`` when given (``QuantFormat.quantization_config()``)."""
     out: dict[str, Any] = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _ROPE_FIELDS}
     rope: dict[str, Any] = {"rope_type": cfg.rope_type or "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_type == "yarn":
@@ -106,9 +111,8 @@ def config_to_hf(cfg: K2Config, format: QuantFormat | None = None) -> dict[str, 
         num_key_value_heads=cfg.num_attention_heads, attention_bias=False, tie_word_embeddings=False,
         rope_parameters=rope,
     )
-    quantization = format.quantization_config() if format is not None else None
-    if quantization is not None:
-        out["quantization_config"] = quantization
+    if quantization_config is not None:
+        out["quantization_config"] = quantization_config
     return out
 
 

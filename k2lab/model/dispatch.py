@@ -1,0 +1,124 @@
+"""Speed room: the chosen experts run grouped, tokens sorted by expert, experts of similar load in pairs.
+
+Replaces ``MoE``'s reference loop (one ``where`` and three products per chosen expert) for a forward of at most
+``FEW_TOKENS`` tokens (a decode step) and for training (``MoE.grouped = True``). What it gains:
+
+- Pairs: two experts of similar load run as one batched product over a strided view of the stacks (no copy). That
+  halves the product calls, and a batched product runs a batch entry per thread, where one expert's product of a
+  few rows runs on one thread (what a decode step gains: ``python -m benchmarks.vs_hf``, docs/speed.md).
+- One gather in, one gather out: the rows of all experts are sorted once, so autograd's backward is one pass of
+  each, where the loop's per-expert indexing makes it allocate a whole [N, k, D] gradient per expert.
+- ``StackSlices``: the pairs' views of a stack get one gradient node per stack, not one stack-sized gradient per
+  pair.
+
+Which experts run is read back to Python once per layer (one ``.tolist()``), so torch.compile does not trace it
+(``torch.compiler.disable``). Equal to the loop to float32 rounding, in the same slot layout [B, T, k, D].
+Streamed and quantized experts (``RoutedExperts.stacked`` False) make each expert's matrices as it runs: they run
+one at a time here, still sorted.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+# A forward of at most this many tokens runs grouped by default: its experts' products have few rows.
+FEW_TOKENS = 16
+
+
+def expert_groups(counts: list[int], pairs: bool) -> list[tuple[int, ...]]:
+    """The experts with tokens (counts [E]) as they run: pairs of similar load, each in id order, and the odd one out
+    alone; every one alone unless ``pairs``."""
+    chosen = [e for e, count in enumerate(counts) if count]
+    if not pairs:
+        return [(e,) for e in chosen]
+    by_load = sorted(chosen, key=counts.__getitem__)
+    pairs_ = [tuple(sorted(pair)) for pair in zip(by_load[0::2], by_load[1::2], strict=False)]
+    return pairs_ + [(by_load[-1],)] * (len(by_load) % 2)
+
+
+def group_span(group: tuple[int, ...]) -> slice:
+    """The slice of a stack [E, ...] that holds a group's experts: a < b as rows a and b (a stride of b - a), e as row
+    e alone."""
+    first, last = group[0], group[-1]
+    return slice(first, last + 1, max(last - first, 1))
+
+
+class StackSlices(torch.autograd.Function):
+    """Views of a stacked parameter [E, ...], one per group of experts (``group_span``), whose backward writes every
+    group's gradient into one stack-sized tensor. Plain slicing would do the same forward, but each slice's backward
+    fills a zeroed stack-sized gradient of its own, which autograd then adds into the stack's: one stack's worth of
+    writes per group, per stack, per layer."""
+
+    @staticmethod
+    def forward(ctx, stack: torch.Tensor, groups: list[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
+        ctx.groups, ctx.shape = groups, stack.shape
+        return tuple(stack[group_span(group)] for group in groups)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        stack_grad = None
+        for group, grad in zip(ctx.groups, grads, strict=True):
+            if grad is not None:  # a group whose output did not reach the loss has no gradient
+                if stack_grad is None:
+                    stack_grad = grad.new_zeros(ctx.shape)
+                stack_grad[group_span(group)] += grad
+        return stack_grad, None
+
+
+def run_groups(experts, groups: list[tuple[int, ...]], blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each group's experts on its row block, h [g, n, D] -> [g, n, D] (row block j through expert group[j]): one
+    batched SwiGLU per group over views of the stacks, or each expert's ``expert_weights`` when not ``stacked``."""
+    if not experts.stacked:
+        outs = []
+        for group, h in zip(groups, blocks, strict=True):
+            gate, up, down = experts.expert_weights(group[0])
+            outs.append(F.linear(F.silu(F.linear(h[0], gate)) * F.linear(h[0], up), down)[None])
+        return outs
+    stacks = (experts.gate_proj, experts.up_proj, experts.down_proj)
+    if torch.is_grad_enabled() and experts.gate_proj.requires_grad:
+        views = [StackSlices.apply(stack, groups) for stack in stacks]
+    else:  # no gradient to route: plain views (the autograd Function costs about 20 us a call)
+        views = [[stack[group_span(group)] for group in groups] for stack in stacks]
+    return [torch.bmm(F.silu(torch.bmm(h, gate.mT)) * torch.bmm(h, up.mT), down.mT)
+            for h, gate, up, down in zip(blocks, *views, strict=True)]
+
+
+@torch.compiler.disable
+def grouped_experts(experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Every chosen expert's output: x [B, T, D], idx [B, T, k] (of ``experts``, a ``RoutedExperts``) ->
+    [B, T, k, D], slot s of token (b, t) holding expert idx[b, t, s]'s SwiGLU of x[b, t]."""
+    B, T, k = idx.shape
+    D = x.shape[-1]
+    x, flat = x.reshape(B * T, D), idx.reshape(-1)  # [N, D], [N*k] expert of each (token, slot)
+    if B * T == 1:  # one token: every chosen expert reads its row; nothing to sort or gather
+        chosen = flat.tolist()  # k distinct experts, in slot order
+        groups = expert_groups([int(e in chosen) for e in range(experts.num_experts)], experts.stacked)
+        outs = run_groups(experts, groups, [x.expand(len(group), 1, D) for group in groups])  # [g, 1, D] each
+        out = dict(zip(itertools.chain(*groups), torch.cat(outs).unbind(), strict=True))  # expert -> [1, D]
+        return torch.cat([out[e] for e in chosen]).view(B, T, k, D)
+    counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
+    groups = expert_groups(counts, experts.stacked)
+    # The rows a group of g experts reads are one [g, m, D] block, m the group's largest count: expert j's rows start
+    # at j*m, and the rows past its count are padding (token 0's row, whose outputs are never read).
+    sorted_start = [0, *itertools.accumulate(counts)][:-1]  # [E] where expert e's rows begin among the sorted slots
+    block_start, blocks, rows = [0] * len(counts), [], 0  # ... and in the blocks
+    for group in groups:
+        m = max(counts[e] for e in group)
+        for j, e in enumerate(group):
+            block_start[e] = rows + j * m
+        blocks.append(len(group) * m)
+        rows += blocks[-1]
+    order = flat.argsort(stable=True)  # [N*k] slots sorted by expert
+    shift = torch.tensor([b - s for b, s in zip(block_start, sorted_start, strict=True)], device=flat.device)
+    row_of_sorted = torch.arange(flat.numel(), device=flat.device) + shift[flat[order]]  # [N*k] each sorted slot's row
+    token_of_row = flat.new_zeros(rows).index_copy_(0, row_of_sorted, order // k)  # [rows] (pads: 0)
+    # One gather, one cat and one gather back whatever the number of experts, so backward is one pass of each. On the
+    # CPU index_select gathers rows about three times faster than x[order // k].
+    grouped = x.index_select(0, token_of_row).split(blocks)  # per group [g*m, D]
+    outs = run_groups(experts, groups, [h.view(len(group), -1, D) for group, h in zip(groups, grouped, strict=True)])
+    out = torch.cat([o.view(-1, D) for o in outs])  # [rows, D]
+    row_of_slot = torch.empty_like(order).index_copy_(0, order, row_of_sorted)  # [N*k]
+    return out.index_select(0, row_of_slot).view(B, T, k, D)  # back to slot order
