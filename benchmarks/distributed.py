@@ -1,12 +1,12 @@
 """The pipeline on CPU ranks: tokens/s and bytes sent between ranks per token, for 1, 2 and 3 ranks (gloo, one
 thread each) on a random K2Config.mini() saved as an FP8 checkpoint.
 
-    python benchmarks/distributed.py [--ranks 1 2 3]
+    python -m benchmarks.distributed [--ranks 1 2 3]
 
 Scoring: ``pm(ids)`` on [4, 128] tokens, logits broadcast to every rank. Decoding: greedy ``pm.generate`` of one
 row, 16-token prompt; the decode rate and bytes are the difference between 33 and 1 new tokens, per token. Bytes
-are summed over all ranks (what leaves each process). The ranks run one stage at a time on the same two cores, so
-more ranks only add transfers here; the figures show the cost of the pipeline, not a speed-up.
+are summed over all ranks (what leaves each process). The ranks run one stage at a time (no microbatches), so
+more ranks only add transfers: the figures show the cost of the pipeline, not a speed-up.
 """
 
 from __future__ import annotations

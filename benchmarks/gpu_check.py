@@ -30,11 +30,9 @@ import torch
 from torch import nn
 
 import k2lab
-from k2lab import K2Config
-from k2lab.model.attention import LatentCache
+from k2lab import K2Config, K2Model
+from k2lab.model.layers import RMSNorm
 from k2lab.model.moe import RoutedExperts, Router
-from k2lab.model.norm import RMSNorm
-from k2lab.model.rope import RotaryEmbedding
 from k2lab.model.transformer import DecoderLayer
 from k2lab.weights.quant.fp8 import FP8Format, FP8Linear, FP8RoutedExperts
 from k2lab.weights.schema import EXPERT_PROJS, layer_tensors
@@ -68,6 +66,19 @@ def machine_limits(device: torch.device, size: int) -> tuple[float, float]:
     n = 8192 if device.type == "cuda" else 1024
     a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
     return bandwidth, 2 * n**3 / seconds(lambda: a @ b, device)
+
+
+def one_block(cfg: K2Config, moe: bool) -> K2Config:
+    """``cfg`` with a single block, MoE or dense: block 0, the one a one-block model and its cache hold."""
+    return cfg.replace(num_hidden_layers=1, first_k_dense_replace=0 if moe else 1)
+
+
+def holding(block: DecoderLayer, cfg: K2Config) -> K2Model:
+    """A K2Model of ``cfg`` (one block) whose block is ``block``; its embedding and head stay on the meta device, never
+    run: ``run_blocks`` runs the block as a whole forward runs each of its blocks."""
+    model = K2Model(cfg, dtype=torch.bfloat16, device="meta")
+    model.layers[0] = block
+    return model
 
 
 @torch.no_grad()
@@ -132,22 +143,24 @@ def block_bytes(cfg: K2Config, fmt: FP8Format, layer: int) -> int:
 
 
 @torch.no_grad()
-def time_block(block: DecoderLayer, cfg: K2Config, device: torch.device, tokens: list[int], context: int) -> dict:
-    """Seconds per forward at each token count (no cache), and per decode step over ``context`` cached tokens."""
-    rope = RotaryEmbedding(cfg)
+def time_block(model: K2Model, device: torch.device, tokens: list[int], context: int) -> dict:
+    """Seconds per forward of a one-block model's block at each token count (no cache), and per decode step over
+    ``context`` cached tokens, through ``run_blocks`` (which also makes the rotary table and mask that a whole forward
+    makes once for all its blocks)."""
+    width = model.config.hidden_size
     out = {}
     for T in tokens:
-        x = torch.randn(1, T, cfg.hidden_size, dtype=torch.bfloat16, device=device)
-        cos, sin = rope.cos_sin(torch.arange(T, device=device))
-        out[T] = seconds(lambda x=x, cos=cos, sin=sin: block(x, rope, cos, sin, None, "auto"), device)
-    cache = LatentCache(cfg, 1, torch.bfloat16, device, num_layers=block.layer + 1)
-    prompt = torch.randn(1, context, cfg.hidden_size, dtype=torch.bfloat16, device=device)
-    block(prompt, rope, *rope.cos_sin(torch.arange(context, device=device)), cache, "auto")
-    cache.advance(context)
-    step = torch.randn(1, 1, cfg.hidden_size, dtype=torch.bfloat16, device=device)
-    cos, sin = rope.cos_sin(torch.arange(context, context + 1, device=device))
-    # The cache is not advanced: every timed step writes the same slot and attends over the same context.
-    out["decode"] = seconds(lambda: block(step, rope, cos, sin, cache, "auto"), device)
+        x = torch.randn(1, T, width, dtype=torch.bfloat16, device=device)
+        out[T] = seconds(lambda x=x: model.run_blocks(x), device)
+    cache = model.new_cache(1, capacity=context + 1)
+    model.run_blocks(torch.randn(1, context, width, dtype=torch.bfloat16, device=device), cache=cache)
+    step = torch.randn(1, 1, width, dtype=torch.bfloat16, device=device)
+
+    def decode():  # cropped back after each step, so that every timed step attends over the same context
+        model.run_blocks(step, cache=cache)
+        cache.crop(context)
+
+    out["decode"] = seconds(decode, device)
     return out
 
 
@@ -202,7 +215,7 @@ def random_state(cfg: K2Config) -> dict[str, torch.Tensor]:
             layer, proj = name.split(".")[1], name.rsplit(".", 1)[1]
             for e, expert in enumerate(tensor):
                 out[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = expert
-        elif "rotary_emb" not in name:
+        else:
             out[full] = tensor
     return out
 
@@ -229,18 +242,19 @@ def main() -> None:
     print(f"{name}: copy bandwidth {bandwidth / GB:,.0f} GB/s, bf16 matmul {matmul / 1e12:,.1f} TFLOP/s")
 
     results = {}
-    for label, layer in (("dense block 0", 0), ("MoE block", cfg.first_k_dense_replace)):
+    for label, moe in (("dense block 0", False), ("MoE block", True)):
+        single = one_block(cfg, moe)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        block = random_fp8_block(cfg, fmt, layer, device)
+        block = random_fp8_block(single, fmt, 0, device)
         if device.type == "cuda":
             held = torch.cuda.memory_allocated(device) - before
             print(f"{label}: FP8-resident {held / GB:.3f} GB on the GPU; accounting.py predicts "
-                  f"{block_bytes(cfg, fmt, layer) / GB:.3f} GB")
-        results[label] = time_block(block, cfg, device, tokens, context)
-        if layer == cfg.first_k_dense_replace:
+                  f"{block_bytes(single, fmt, 0) / GB:.3f} GB")
+        results[label] = time_block(holding(block, single), device, tokens, context)
+        if moe:
             del block  # make room for the bfloat16 copy
-            block = dequantized_copy(random_fp8_block(cfg, fmt, layer, device), cfg)
-            results["MoE block, bf16"] = time_block(block, cfg, device, tokens, context)
+            block = dequantized_copy(random_fp8_block(single, fmt, 0, device), single)
+            results["MoE block, bf16"] = time_block(holding(block, single), device, tokens, context)
         del block
 
     print(f"\nseconds per block (prefill of T tokens, no cache; decode: 1 token over {context:,} cached)")

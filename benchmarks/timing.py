@@ -1,10 +1,8 @@
-"""Shared timing for the benchmarks: alternate the contenders round by round (so a busy, shared machine
-slows each alike) and report medians. Ratios, not absolute times, are the figures to quote."""
+"""Shared timing for the benchmarks: alternate the contenders round by round (so a busy, shared machine slows each
+alike) and keep every round's time. Ratios within a round, not absolute times, are the figures to quote."""
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -21,13 +19,13 @@ def round_order(count: int, round_: int) -> list[int]:
 
 
 def alternate_threads(runs: dict[str, Callable[[], object]], threads: list[int], rounds: int,
-                      warmup: int = 1) -> dict[tuple[str, int], float]:
-    """Median seconds per call of each run at each thread count: every round times every run at every thread
-    count in turn, so slow spells of a shared machine fall on all of them alike. The order changes from round to
-    round (``round_order``) so that each run follows each other equally often: a run inherits its neighbour's
-    freed memory and evicted caches, and in a rotation of one order each run follows the same neighbour in every
-    round but those where it goes first. The first ``warmup`` rounds are not timed; torch is left at the largest
-    thread count."""
+                      warmup: int = 1) -> dict[tuple[str, int], list[float]]:
+    """Seconds per call of each run at each thread count, one entry per timed round: every round times every run at
+    every thread count in turn, so slow spells of a shared machine fall on all of them alike, and entry i of two runs
+    at one thread count comes from the same round. The order changes from round to round (``round_order``) so that
+    each run follows each other equally often: a run inherits its neighbour's freed memory and evicted caches, and in
+    a rotation of one order each run would follow the same neighbour in every round but those where it goes first.
+    The first ``warmup`` rounds are not timed; torch is left at the largest thread count."""
     import torch
 
     times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in runs for n in threads}
@@ -42,7 +40,7 @@ def alternate_threads(runs: dict[str, Callable[[], object]], threads: list[int],
                 if round_ >= warmup:
                     times[name, n].append(time.perf_counter() - start)
     torch.set_num_threads(max(threads))
-    return {key: statistics.median(t) for key, t in times.items()}
+    return times
 
 
 def alternate(runs: dict[str, Callable[[], object]], rounds: int = 5, warmup: int = 1) -> dict[str, float]:
@@ -50,80 +48,4 @@ def alternate(runs: dict[str, Callable[[], object]], rounds: int = 5, warmup: in
     import torch
 
     threads = torch.get_num_threads()
-    return {name: t for (name, _), t in alternate_threads(runs, [threads], rounds, warmup).items()}
-
-
-def tensor_copy(num_bytes: int) -> Callable[[], object]:
-    """A run that copies one tensor to another, reading and writing ``num_bytes`` each: what the memory bandwidth
-    allows."""
-    import torch
-
-    src = torch.ones(num_bytes // 4)
-    dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
-
-
-def copy_bandwidth(num_bytes: int = 1 << 30, rounds: int = 5) -> float:
-    """Measured memory bandwidth in bytes/s: a large tensor copy reads and writes ``num_bytes`` each."""
-    return 2 * num_bytes / alternate({"copy": tensor_copy(num_bytes)}, rounds=rounds)["copy"]
-
-
-def matmul_rate(n: int = 2048, dtype=None, rounds: int = 5) -> float:
-    """Measured float32 (or ``dtype``) matmul rate in FLOP/s on square n x n matrices."""
-    import torch
-
-    a = torch.randn(n, n, dtype=dtype or torch.float32)
-    b = torch.randn(n, n, dtype=dtype or torch.float32)
-    seconds = alternate({"mm": lambda: a @ b}, rounds=rounds)["mm"]
-    return 2 * n**3 / seconds
-
-
-def prefilled(model, context: int, batch: int = 1) -> tuple[object, object]:
-    """A latent cache holding a prompt of ``context`` random tokens for ``batch`` sequences (room for one more), and
-    the next token of each [batch, 1]: what a timed decode step starts from."""
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    cache = model.new_cache(batch, capacity=context + 1)
-    with torch.no_grad():
-        model(torch.randint(0, model.config.vocab_size, (batch, context), generator=gen), cache=cache)
-    return cache, torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen)
-
-
-def decode_step(model, context: int, batch: int = 1, mode: Callable[[], object] | None = None
-                ) -> Callable[[], object]:
-    """A run of one decode step of ``batch`` random sequences after a prompt of ``context`` tokens (the model's call as
-    generate's loop makes it, inside ``mode()``, e.g. ``torch.inference_mode``, when given), returning its logits; the
-    cache is cropped back after each run, so every run sees the same context."""
-    cache, token = prefilled(model, context, batch)
-
-    def run():
-        with mode() if mode is not None else contextlib.nullcontext():
-            logits = model(token, cache=cache)
-        cache.crop(context)
-        return logits
-
-    return run
-
-
-COLD_BYTES = 64 << 20  # more than this CPU's last-level cache (32 MB)
-CALL_BYTES = 16 << 20  # weights one timed call reads at least
-
-
-def weight_reads(product: Callable, shapes: list[tuple[int, int]], rows: int = 1
-                 ) -> tuple[Callable[[], object], int]:
-    """Bare products of ``rows`` rows with weights of these shapes, as a decode step reads its weights: a run that
-    makes ``passes`` passes, each one ``product`` call with every one of ``shapes``' matrices in turn, from copies
-    that fill COLD_BYTES used in rotation (so each weight comes from memory, not cache); and ``passes``. A run
-    reads at least CALL_BYTES, so that one disturbed product (the first after a thread-count switch or a long
-    neighbour) does not make a sample. A whole decode step's matrices fill COLD_BYTES alone: one pass, one copy."""
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    sizes = [r * c for r, c in shapes]
-    copies = max(1, COLD_BYTES // (4 * sum(sizes)))
-    matrices = iter(torch.randn(copies * sum(sizes), generator=gen).split(sizes * copies))
-    rotation = itertools.cycle([[next(matrices).view(shape) for shape in shapes] for _ in range(copies)])
-    inputs = {cols: torch.randn(rows, cols, generator=gen) for _, cols in shapes}
-    passes = max(1, -(-CALL_BYTES // (4 * sum(sizes))))
-    return lambda: [product(inputs[w.shape[1]], w) for _ in range(passes) for w in next(rotation)], passes
+    return {name: statistics.median(t) for (name, _), t in alternate_threads(runs, [threads], rounds, warmup).items()}

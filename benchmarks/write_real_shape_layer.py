@@ -61,7 +61,7 @@ class RandomRelease:
 def write(folder: Path = DEFAULT_FOLDER) -> Path:
     """Write the slice into ``folder`` (refusing if the disk lacks room); the index is written last, so a folder
     with an index is complete."""
-    need = weight_bytes(CONFIG, fp8=True, scales=True)
+    need = weight_bytes(CONFIG, format="fp8", scales=True)
     folder.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder).free
     if free < need * 1.05:
