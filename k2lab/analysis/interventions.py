@@ -73,7 +73,8 @@ def _zero_hooks(prefix: str, gate: Router, ablated: torch.Tensor) -> list[tuple[
     seen: dict[str, torch.Tensor] = {}
 
     def zero_slots(expert_out: torch.Tensor, hook: HookPoint) -> torch.Tensor:  # [B, T, k, D]
-        return expert_out.masked_fill(ablated[seen["idx"]][..., None], 0.0)
+        idx = seen["idx"].to(expert_out.device)  # [B, T, k]
+        return expert_out.masked_fill(ablated.to(idx.device)[idx][..., None], 0.0)
 
     return [(f"{prefix}.gate.hook_topk_idx", _remember(seen, "idx")), (f"{prefix}.hook_expert_out", zero_slots)]
 
@@ -83,7 +84,7 @@ def _renormalize_hooks(prefix: str, gate: Router, ablated: torch.Tensor) -> list
 
     def renormalize(weights: torch.Tensor, hook: HookPoint) -> torch.Tensor:  # [B, T, k]
         idx = seen["idx"]
-        kept = seen["scores"].gather(-1, idx) * ~ablated[idx]  # [B, T, k] unbiased scores; dropped slots 0
+        kept = seen["scores"].gather(-1, idx) * ~ablated.to(idx.device)[idx]  # [B, T, k] unbiased scores; dropped 0
         if gate.norm_topk_prob:
             kept = kept / (kept.sum(-1, keepdim=True) + 1e-20)
         return (kept * gate.scaling).to(weights.dtype)
@@ -97,12 +98,13 @@ def _reroute_hooks(prefix: str, gate: Router, ablated: torch.Tensor) -> list[tup
     seen: dict[str, torch.Tensor] = {}
 
     def reroute(idx: torch.Tensor, hook: HookPoint) -> torch.Tensor | None:  # [B, T, k]
-        hit = ablated[idx]  # [B, T, k] slots to hand over
+        ablated_here = ablated.to(idx.device)  # [E]
+        hit = ablated_here[idx]  # [B, T, k] slots to hand over
         if not hit.any():
             return None
         choice = seen["choice"]  # [B, T, E] before the group limit, as the router saw it
         allowed = allowed_experts(choice, gate.n_group, gate.topk_group, group_best(gate.topk_method))  # [B, T, E]
-        eligible = allowed & ~ablated  # [B, T, E]
+        eligible = allowed & ~ablated_here  # [B, T, E]
         eligible = eligible.scatter(-1, idx, False)  # experts already chosen keep their own slots
         best = choice.masked_fill(~eligible, float("-inf")).topk(gate.top_k, dim=-1)  # [B, T, k] best first
         rank = (hit.cumsum(-1) - 1).clamp(min=0)  # the j-th ablated slot of a token takes the j-th candidate
@@ -167,7 +169,7 @@ def _force_hooks(prefix: str, moe: MoE, layer: int, spec: RouteSpec, positions: 
             raise ValueError(f"{hook.name}: forced routes must be expert ids in 0..{E - 1} of shape "
                              f"{tuple(idx.shape)}; got {new.dtype} {tuple(new.shape)}")
         mask = _position_mask(positions, *idx.shape[:2], idx.device)  # [B, T]
-        return torch.where(mask[..., None], new.to(idx.dtype), idx)
+        return torch.where(mask[..., None], new.to(idx.device, idx.dtype), idx)  # a route fn may answer on the CPU
 
     return [(f"{prefix}.gate.hook_choice_scores", _remember(seen, "choice")), (f"{prefix}.gate.hook_topk_idx", force)]
 
@@ -190,7 +192,9 @@ def edit_bias(model: K2Model, biases: Mapping[int, BiasSpec]) -> Iterator[None]:
                 what = "the bias function returned" if callable(spec) else "the bias is"
                 raise TypeError(f"layer {layer}: {what} {new!r}; a bias is a number or a tensor of shape "
                                 f"{tuple(bias.shape)} (does the function return its result?)")
-            new = torch.as_tensor(new, dtype=bias.dtype, device=bias.device)
+            # Checked where the caller made it (its values may be read there even when the model's are not, as on
+            # meta), then written on the model's device, in the bias's own float32.
+            new = torch.as_tensor(new, dtype=bias.dtype)
             if new.shape not in (bias.shape, ()):
                 raise ValueError(f"layer {layer}: bias must be a scalar or of shape {tuple(bias.shape)}, "
                                  f"got {tuple(new.shape)}")
@@ -198,7 +202,7 @@ def edit_bias(model: K2Model, biases: Mapping[int, BiasSpec]) -> Iterator[None]:
                 raise ValueError(f"layer {layer}: bias must be finite; NaN or infinity would decide every route")
             saved.append((bias, bias.clone()))
             with torch.no_grad():
-                bias.copy_(new)
+                bias.copy_(new.to(bias.device))
         yield
     finally:
         with torch.no_grad():

@@ -102,15 +102,16 @@ class RoutingTrace:
         if any(t.layers != traces[0].layers or t.scores.shape[-1] != traces[0].scores.shape[-1] for t in traces):
             raise ValueError("concat needs traces of the same model: their MoE layers or expert counts differ")
         T = max(t.indices.shape[2] for t in traces)
+        device = traces[0].indices.device  # traces gathered elsewhere (the CPU, another GPU) join the first one there
 
         def padded(t: RoutingTrace, field: str) -> torch.Tensor:
-            x = getattr(t, field)  # [L_moe, B, T, ...]
+            x = getattr(t, field).to(device)  # [L_moe, B, T, ...]
             pad = [0, 0] * (x.dim() - 3) + [0, T - x.shape[2]]
             return torch.nn.functional.pad(x, pad)
 
         fields = ("indices", "weights", "scores", "choice_scores", "unbiased_indices", "bias_flips")
         joined = {f: torch.cat([padded(t, f) for t in traces], dim=1) for f in fields}
-        masks = [torch.nn.functional.pad(t.real_tokens(), [0, T - t.indices.shape[2]]) for t in traces]
+        masks = [torch.nn.functional.pad(t.real_tokens().to(device), [0, T - t.indices.shape[2]]) for t in traces]
         same = all(t.token_mask is None and t.indices.shape[2] == T for t in traces)
         return cls(list(traces[0].layers), **joined, token_mask=None if same else torch.cat(masks))
 
@@ -208,7 +209,8 @@ class VocabularySpecialization:
 
     N(x) the occurrences of x in the text, N_e^(top)(x) those routed to e among their first ``top`` slots. Pass the
     input ids to ask which experts a token goes to, or the predicted ids (argmax of the logits, aligned with the
-    same positions) to ask which experts precede an output token.
+    same positions) to ask which experts precede an output token. Every tensor lives on the device of ``counts``
+    (the trace's).
     """
 
     layers: list[int]  # row j of ``counts`` is layer layers[j]
@@ -216,6 +218,10 @@ class VocabularySpecialization:
     occurrences: torch.Tensor  # [U] N(x)
     counts: torch.Tensor  # [L_moe, U, E] N_e^(top)(x)
     top: int
+
+    def __post_init__(self) -> None:
+        # The methods combine occurrences with counts: keep both (and the ids they index) where the counts are.
+        self.token_ids, self.occurrences = (t.to(self.counts.device) for t in (self.token_ids, self.occurrences))
 
     @property
     def ratio(self) -> torch.Tensor:
@@ -227,7 +233,9 @@ class VocabularySpecialization:
         specialization(e, x). 1 when every id always goes to the same expert; rarer ids score high by chance,
         hence ``min_count``. NaN for a layer when no id is frequent enough."""
         frequent = self.occurrences >= min_count  # [U]
-        return self.ratio[:, frequent].amax(-1).mean(-1)
+        best = self.ratio.amax(-1)  # [L_moe, U]
+        # A masked mean rather than best[:, frequent]: no data-dependent shape, so no GPU sync (0 / 0 gives the NaN)
+        return torch.where(frequent, best, 0.0).sum(-1) / frequent.sum()
 
     def top_tokens(self, layer: int, expert: int, n: int = 10, min_count: int = 10) -> list[tuple[int, float, int]]:
         """The ``n`` token ids most specialised to ``expert`` at model layer ``layer``: (id, ratio, N(x)),
@@ -241,20 +249,21 @@ class VocabularySpecialization:
 
 def vocabulary_specialization(tr: RoutingTrace, token_ids: torch.Tensor, top: int = 1) -> VocabularySpecialization:
     """Count, per layer, where each token id of ``token_ids`` [B, T] (aligned with the trace's positions) was
-    routed among its first ``top`` slots. See VocabularySpecialization for the definition."""
+    routed among its first ``top`` slots. See VocabularySpecialization for the definition. The ids may lie on any
+    device (the CPU, the model's); the result lies on the trace's."""
     _check_trace(tr, top)
     token_ids = torch.as_tensor(token_ids)
     if token_ids.numel() != tr.indices[0, ..., 0].numel() or token_ids.is_floating_point():
         raise ValueError(f"token_ids must be integer ids aligned with the trace's [B, T] = "
                          f"{list(tr.indices.shape[1:3])}, got {token_ids.dtype} {list(token_ids.shape)}")
-    token_ids = token_ids.reshape(tr.indices.shape[1:3])  # [B, T]
-    real = tr.real_tokens()
-    unique, inverse, occurrences = token_ids[real.cpu()].unique(return_inverse=True, return_counts=True)
+    real = tr.real_tokens()  # [B, T] on the trace's device
+    token_ids = token_ids.reshape(real.shape).to(real.device)  # [B, T]
+    unique, inverse, occurrences = token_ids[real].unique(return_inverse=True, return_counts=True)
     E, U = tr.scores.shape[-1], len(unique)
     idx = tr.indices[..., :top][:, real]  # [L_moe, N, top] real tokens only
-    cell = inverse.to(idx.device)[None, :, None] * E + idx  # [L_moe, N, top] flat (token id, expert) cell
+    cell = inverse[None, :, None] * E + idx  # [L_moe, N, top] flat (token id, expert) cell
     counts = torch.stack([torch.bincount(row.flatten(), minlength=U * E) for row in cell]).view(-1, U, E)
-    return VocabularySpecialization(list(tr.layers), unique, occurrences, counts.cpu(), top)
+    return VocabularySpecialization(list(tr.layers), unique, occurrences, counts, top)
 
 
 def coactivation(tr: RoutingTrace) -> torch.Tensor:
@@ -359,7 +368,7 @@ class RoutingContrast:
     - ``ratio``, ``weight_ratio``: a over b (inf where b is 0 and a is not; NaN where both are).
 
     The intervals are bootstrap percentiles over sequences (tokens of one sequence are not independent, so
-    sequences are what is resampled), a and b resampled separately.
+    sequences are what is resampled), a and b resampled separately. The tensors lie on trace a's device.
     """
 
     layers: list[int]
@@ -404,6 +413,8 @@ def contrast(trace_a: RoutingTrace, trace_b: RoutingTrace, top: int | None = Non
         raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
     if num_boot < 1:
         raise ValueError(f"num_boot must be >= 1, got {num_boot}")
+    # The bootstrap runs on the CPU, in float64, with a CPU generator: the same draws for a seed whatever the traces'
+    # devices. Its results then go back where trace a lies.
     stats = [_per_sequence(tr, top) for tr in (trace_a, trace_b)]  # (tokens [B], count [L, B, E], mass [L, B, E])
 
     def shares(tokens, count, mass, draws=None):
@@ -429,21 +440,23 @@ def contrast(trace_a: RoutingTrace, trace_b: RoutingTrace, top: int | None = Non
     def interval(samples):  # [R, L, E] -> [2, L, E], the outer order statistics (no interpolation: ratios may be inf)
         low = torch.nanquantile(samples, (1 - confidence) / 2, dim=0, interpolation="lower")
         high = torch.nanquantile(samples, (1 + confidence) / 2, dim=0, interpolation="higher")
-        return torch.stack([low, high]).float()
+        return torch.stack([low, high])
 
+    device = trace_a.indices.device
+    out = lambda t: t.float().to(device)
     return RoutingContrast(
-        layers=list(trace_a.layers), share_a=share_a.float(), share_b=share_b.float(),
-        ratio=(share_a / share_b).float(), weight_share_a=wshare_a.float(), weight_share_b=wshare_b.float(),
-        weight_ratio=(wshare_a / wshare_b).float(), share_a_ci=interval(boot_a), share_b_ci=interval(boot_b),
-        ratio_ci=interval(boot_a / boot_b), weight_ratio_ci=interval(wboot_a / wboot_b), confidence=confidence,
+        layers=list(trace_a.layers), share_a=out(share_a), share_b=out(share_b), ratio=out(share_a / share_b),
+        weight_share_a=out(wshare_a), weight_share_b=out(wshare_b), weight_ratio=out(wshare_a / wshare_b),
+        share_a_ci=out(interval(boot_a)), share_b_ci=out(interval(boot_b)), ratio_ci=out(interval(boot_a / boot_b)),
+        weight_ratio_ci=out(interval(wboot_a / wboot_b)), confidence=confidence,
         num_sequences=(len(stats[0][0]), len(stats[1][0])),
         num_tokens=(int(stats[0][0].sum()), int(stats[1][0].sum())),
     )
 
 
 def _per_sequence(tr: RoutingTrace, top: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per sequence (float64): real tokens [B], tokens that chose each expert [L_moe, B, E], and the routing weight
-    each expert received [L_moe, B, E], over the first ``top`` slots (all k when None)."""
+    """Per sequence (float64, on the CPU): real tokens [B], tokens that chose each expert [L_moe, B, E], and the
+    routing weight each expert received [L_moe, B, E], over the first ``top`` slots (all k when None)."""
     idx = tr.indices if top is None else tr.indices[..., :top]  # [L_moe, B, T, top]
     weights = tr.weights if top is None else tr.weights[..., :top]
     real = tr.real_tokens()[None, :, :, None]  # [1, B, T, 1]

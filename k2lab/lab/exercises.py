@@ -67,7 +67,8 @@ def _same(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> bool:
 
 def _compare(what: str, out: Any, expected: torch.Tensor, mistakes: Sequence[Mistake] = (), *,
              atol: float = 1e-5, rtol: float = 1e-4) -> Verdict:
-    """Compare the learner's tensor with the expected one; name the mistake it matches, else say how it differs."""
+    """Compare the learner's tensor with the expected one; name the mistake it matches, else say how it differs.
+    All of them are compared on the CPU, wherever each was computed: in float64, which not every device has."""
     if out is None:
         return Verdict(False, f"{what}: your function returned None; did you forget `return`?")
     if not isinstance(out, torch.Tensor):
@@ -76,9 +77,9 @@ def _compare(what: str, out: Any, expected: torch.Tensor, mistakes: Sequence[Mis
         except (TypeError, ValueError, RuntimeError):
             return Verdict(False, f"{what}: expected a tensor of shape {list(expected.shape)}, got a "
                                   f"{type(out).__name__}")
-    out = out.detach().cpu()
+    out, expected = out.detach().cpu(), expected.detach().cpu()
     for message, candidate in mistakes:
-        candidate = torch.as_tensor(candidate)
+        candidate = torch.as_tensor(candidate).detach().cpu()
         if not _same(out, expected, atol, rtol) and _same(out, candidate, atol, rtol):
             return Verdict(False, f"{what}: {message}")
     if out.shape != expected.shape:
@@ -101,9 +102,11 @@ def _compare(what: str, out: Any, expected: torch.Tensor, mistakes: Sequence[Mis
 
 
 def check_greedy(fn: Callable, model: torch.nn.Module, ids: torch.Tensor, new_tokens: int = 6) -> Verdict:
-    """``fn(model, ids [1, T], n) -> [1, T + n]``: n greedy steps (argmax of the last position's logits, appended)."""
+    """``fn(model, ids [1, T], n) -> [1, T + n]``: n greedy steps (argmax of the last position's logits, appended).
+    ``fn`` gets the ids on the model's device, where the model's logits are, so that it can append to them."""
     from ..model.generate import generate
 
+    ids = torch.as_tensor(ids, device=model.device)
     expected = generate(model, ids, max_new_tokens=new_tokens)
     out, error = _call(fn, model, ids.clone(), new_tokens)
     if error is not None:
@@ -278,7 +281,7 @@ def check_router(fn: Callable) -> Verdict:
         return error
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         return Verdict(False, "return two tensors: (idx [N, k], weights [N, k])")
-    out_idx, out_w = (torch.as_tensor(t) if t is not None else None for t in out)
+    out_idx, out_w = (torch.as_tensor(t).detach().cpu() if t is not None else None for t in out)  # beside idx
     if out_idx is None or out_w is None:
         return Verdict(False, "one of your two outputs is None")
     if out_idx.shape != idx.shape or out_w.shape != weights.shape:

@@ -58,7 +58,7 @@ class LabSettings:
     """What the notebooks load. ``LabSettings()`` is the bundled K2-nano on the CPU."""
 
     model: str = NANO  # "nano", a Hub repo id or a checkpoint folder
-    device_map: DeviceMap = None  # None (CPU), "auto" or {module prefix: device}
+    device_map: DeviceMap = None  # None (CPU), "auto", one device ("cuda:0") or {module prefix: device}
     num_layers: int | None = None
     expert_budget_bytes: int | None = None
     dtype: torch.dtype | None = None
@@ -145,8 +145,12 @@ def _device_map(text: str) -> DeviceMap:
 
 
 def _check_device_map(device_map: object, name: str) -> None:
-    """None, "auto", or {module prefix: device} with devices torch knows (``"cuda:0"``, ``"cpu"``, an index)."""
+    """None, "auto", one device for every block, or {module prefix: device}, with devices torch knows (``"cuda:0"``,
+    ``"cpu"``, a GPU index, a ``torch.device``)."""
     if device_map is None or device_map == "auto":
+        return
+    if isinstance(device_map, str | int | torch.device) and not isinstance(device_map, bool):
+        _check_device(device_map, name)  # one device for every block
         return
     if not isinstance(device_map, Mapping):
         raise ValueError(f"{name} must be None, 'auto', a device or a mapping {{module prefix: device}}, "
@@ -154,15 +158,20 @@ def _check_device_map(device_map: object, name: str) -> None:
     for prefix, device in device_map.items():
         if not isinstance(prefix, str):
             raise ValueError(f"{name}: module prefixes must be strings such as 'layers.3', got {prefix!r}")
-        if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
-            continue  # a GPU index
-        try:
-            if not isinstance(device, (str, torch.device)):
-                raise TypeError
-            torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"{name}[{prefix!r}] = {device!r} is not a torch device; use 'cpu', 'cuda:0', 'mps', "
-                             "... or a GPU index") from None
+        _check_device(device, f"{name}[{prefix!r}]")
+
+
+def _check_device(device: object, name: str) -> None:
+    """A device torch knows: a name (``"cuda:0"``, ``"cpu"``), a GPU index or a ``torch.device``."""
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        return  # a GPU index
+    try:
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name} = {device!r} is not a torch device; use 'cpu', 'cuda:0', 'mps', ... or a GPU "
+                         "index") from None
 
 
 def load_model(settings: LabSettings | None = None, *, fallback_to_nano: bool = False

@@ -193,7 +193,8 @@ class ActivationCache(Mapping[str, torch.Tensor]):
     # ---- reading the residual stream ---------------------------------------------------------------------------------
     @torch.no_grad()
     def logit_lens(self, pos: Pos = None) -> torch.Tensor:
-        """[L, B, T, V] float32: ``lm_head(norm(resid_post[l]))`` for every layer l, as if the model stopped there.
+        """[L, B, T, V] float32, on the cache's device: ``lm_head(norm(resid_post[l]))`` for every layer l, as if the
+        model stopped there.
 
         The last layer's row is the model's logits (same ops on the same tensor). Each layer goes through the head
         on its own, so peak memory is one layer's logits on top of the result; pick ``pos`` (e.g. -1) for long
@@ -202,9 +203,10 @@ class ActivationCache(Mapping[str, torch.Tensor]):
         self._require("logit_lens", [f"layers.{i}.hook_resid_post" for i in range(len(self.model.layers))])
         model = self.model
         lens = []
-        for resid in self.stack("hook_resid_post"):  # [B, T, D]
-            resid = _at(resid.to(model.device, model.dtype), pos)
-            lens.append(model.lm_head(model.norm(resid)).float())
+        for resid in self.stack("hook_resid_post"):  # [B, T, D], where the cache holds it
+            x = _at(resid, pos).to(model.norm.weight.device, model.dtype)
+            logits = model.lm_head(model.norm(x).to(model.lm_head.weight.device)).float()
+            lens.append(logits.to(resid.device))  # back where the cache is (a cache gathered to the CPU: the CPU)
         return torch.stack(lens)
 
     def decompose_resid(self, pos: Pos = None) -> ResidDecomposition:

@@ -152,7 +152,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
     half = x.shape[-1] // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos.to(x.dtype) + rotated_half * sin.to(x.dtype)).to(x.dtype)
+    return (x * cos.to(x) + rotated_half * sin.to(x)).to(x.dtype)  # cos and sin follow x: its dtype, its device
 
 
 class MultiHeadLatentAttention(nn.Module):

@@ -150,7 +150,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
         B, T, D = x.shape
         idx, weights = self.gate(x)  # [B, T, k], [B, T, k]
-        if torch.compiler.is_compiling() and self.experts.stacked and idx.numel() <= self.experts.num_experts:
+        if x.device.type == "meta":  # shapes without values (the full K2 without memory): no expert to choose
+            expert_out = x.new_empty(B, T, idx.shape[-1], D)
+        elif torch.compiler.is_compiling() and self.experts.stacked and idx.numel() <= self.experts.num_experts:
             expert_out = indexed_experts(self.experts, x, idx)  # model/indexed.py: a compiled decode step
         elif self.grouped or (self.grouped is None and B * T <= FEW_TOKENS):
             expert_out = grouped_experts(self.experts, x, idx)  # model/dispatch.py: decode steps, training

@@ -296,7 +296,7 @@ class K2Model(HookedModule):
         vocab = self.config.vocab_size
         # Reading the ids back is a sync that torch.compile would break its graph on; compiled callers (the training
         # run, a compiled decode step) feed ids they sampled from the model's own vocabulary.
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and ids.device.type != "meta":
             lo, hi = (bound.item() for bound in torch.aminmax(ids))
             if lo < 0 or hi >= vocab:
                 raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary of {vocab} (valid ids: "

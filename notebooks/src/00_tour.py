@@ -101,7 +101,7 @@ from IPython.display import HTML
 from k2lab import viz
 
 prompt = lab.PROMPT
-ids = torch.tensor([tok.encode(prompt)])  # [B=1, T]
+ids = model.to_tokens(prompt)  # [B=1, T], on the model's device
 tokens = [tok.id_to_piece(i) for i in ids[0].tolist()]
 print(f"{len(prompt)} characters -> {ids.shape[1]} tokens")
 HTML(viz.tokens_html(tok.pieces(prompt)))

@@ -42,7 +42,7 @@ print(about)
 # NBVAL_CHECK_OUTPUT
 import torch
 
-ids = torch.tensor([tok.encode(lab.PROMPT)])  # [B=1, T]: the lab's running prompt
+ids = model.to_tokens(lab.PROMPT)  # [B=1, T] on the model's device: the lab's running prompt
 tokens = [tok.id_to_piece(i) for i in ids[0].tolist()]
 logits, cache = model.run_with_cache(ids, names=".self_attn.")
 for probe in ["hook_q_latent", "hook_q_nope", "hook_rot_q_pe", "hook_kv_latent", "hook_rot_k_pe",

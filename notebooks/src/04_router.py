@@ -38,7 +38,7 @@ print(about)
 # %%
 import torch
 
-ids = torch.tensor([tok.encode(lab.PROMPT)])  # [B=1, T]
+ids = model.to_tokens(lab.PROMPT)  # [B=1, T], on the model's device
 tokens = [tok.id_to_piece(i) for i in ids[0].tolist()]
 _, cache = model.run_with_cache(ids, names=".mlp.gate.")
 layer = len(model.layers) - 1
@@ -126,7 +126,7 @@ probes = {}
 for name, m in (("K2-nano: sigmoid + bias", nano),
                 ("softmax, random", softmax_model)):
     last = len(m.layers) - 1
-    _, c = m.run_with_cache(nano_ids, names=f"layers.{last}.mlp.gate.")
+    _, c = m.run_with_cache(nano_ids, names=f"layers.{last}.mlp.gate.", device="cpu")  # both models' probes side by side
     probes[name] = {stage: c[f"layers.{last}.mlp.gate.hook_{stage}"][0] for stage in ("scores", "topk_idx",
                                                                                      "topk_weights")}
 print(f"last MoE layer, {nano_ids.shape[1]} tokens, top-{softmax_cfg.num_experts_per_tok} of "
@@ -274,7 +274,7 @@ import torch.nn.functional as F
 from k2lab.training import corpus
 
 code = tok.encode(corpus.corpus_text("heldout", "code"), allow_special=False)[: 8 * 129]
-batch = torch.tensor(code).view(8, 129)  # [B, T + 1]: inputs and next-token targets
+batch = torch.tensor(code, device=model.device).view(8, 129)  # [B, T + 1]: inputs and next-token targets
 
 
 def balance_and_loss(bias_edit=None) -> tuple[torch.Tensor, float]:
@@ -361,7 +361,7 @@ print(exercises.check_router(my_router))
 
 # %% tags=["solution"]
 target = int(tr.indices[tr.row(layer), 0, -1, -1])  # any expert will do; here the last token's k-th choice
-with edit_bias(model, {layer: lambda b: b.index_add(0, torch.tensor([target]), torch.tensor([1.0]))}):
+with edit_bias(model, {layer: lambda b: b.index_add(0, torch.tensor([target], device=b.device), b.new_ones(1))}):
     boosted = routing.trace(model, ids)
 share = (boosted.indices[boosted.row(layer), 0] == target).any(-1).float().mean().item()
 print(f"expert {target} at layer {layer}: chosen by {share:.0%} of tokens (before: "

@@ -54,7 +54,7 @@ print(about)
 import torch
 import torch.nn.functional as F
 
-ids = torch.tensor([tok.encode(lab.PROMPT)])  # [B=1, T]
+ids = model.to_tokens(lab.PROMPT)  # [B=1, T], on the model's device
 T = ids.shape[1]
 logits, cache = model.run_with_cache(ids)
 gap = lambda a, b: (a - b).abs().max().item()  # noqa: E731  the largest difference, printed for every check
@@ -129,7 +129,7 @@ print(f"max |weights - hook_topk_weights| = {gap(w, cache['layers.1.mlp.gate.hoo
 
 # %%
 experts = block.mlp.experts
-expert_out = torch.zeros(T, gate.top_k, h.shape[-1])  # [T, k, D]
+expert_out = h.new_zeros(T, gate.top_k, h.shape[-1])  # [T, k, D]
 for t in range(T):
     for j, e in enumerate(idx[t].tolist()):
         w_gate, w_up, w_down = experts.expert_weights(e)  # [I, D], [I, D], [D, I]

@@ -43,7 +43,7 @@ ROWS, LENGTH = 16, 128
 def windows(kind: str) -> torch.Tensor:
     """ROWS x LENGTH tokens of held-out text of one kind, as a batch [B, T]."""
     ids = tok.encode(corpus.corpus_text("heldout", kind), allow_special=False)
-    return torch.tensor(ids[: ROWS * LENGTH]).view(ROWS, LENGTH)
+    return torch.tensor(ids[: ROWS * LENGTH], device=model.device).view(ROWS, LENGTH)
 
 
 batches = {"code": windows("code"), "prose": windows("prose")}

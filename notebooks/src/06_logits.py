@@ -24,7 +24,7 @@ print(about)
 import torch
 
 prompt = lab.PROMPT  # the running prompt: the next token should start ` radius` again
-ids = torch.tensor([tok.encode(prompt)])  # [B=1, T]
+ids = model.to_tokens(prompt)  # [B=1, T], on the model's device
 tokens = [tok.id_to_piece(i) for i in ids[0].tolist()]
 logits, cache = model.run_with_cache(ids)
 x_last = cache[f"layers.{len(model.layers) - 1}.hook_resid_post"]  # [B, T, D]

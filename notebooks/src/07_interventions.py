@@ -28,7 +28,7 @@ import torch
 from k2lab import routing, viz
 from k2lab.analysis.interventions import ablate_experts, edit_bias, force_route, patch
 
-ids = torch.tensor([tok.encode(lab.PROMPT)])  # [B=1, T]: the running prompt
+ids = model.to_tokens(lab.PROMPT)  # [B=1, T] on the model's device: the running prompt
 logits, cache = model.run_with_cache(ids)
 target = int(logits[0, -1].argmax())
 layer = len(model.layers) - 1  # the last MoE layer
@@ -180,8 +180,8 @@ viz.effect_heatmap(p_without - prob(logits), [f"layer {i}" for i in range(len(mo
 from k2lab.training import corpus
 
 code = tok.encode(corpus.corpus_text("heldout", "code"), allow_special=False)[: 8 * 128]
-batch = torch.tensor(code).view(8, 128)  # [B, T]
-with edit_bias(model, {layer: lambda b: b.index_fill(0, torch.tensor([expert]), -10.0)}):
+batch = torch.tensor(code, device=model.device).view(8, 128)  # [B, T]
+with edit_bias(model, {layer: lambda b: b.index_fill(0, torch.tensor([expert], device=b.device), -10.0)}):
     banned = routing.expert_counts(routing.trace(model, batch))[tr.row(layer), expert].item()
 print(f"tokens routed to the banned expert at layer {layer}: {banned}")
 bias = model.layers[layer].mlp.gate.e_score_correction_bias  # [E]
@@ -199,7 +199,7 @@ print("bias restored on exit:", bias[expert].item() > -10)
 
 # %%
 clean_prompt, corrupt_prompt = "name = 'world'\ngreeting = 'hello", 'name = "world"\ngreeting = "hello'
-clean, corrupt = torch.tensor([tok.encode(clean_prompt)]), torch.tensor([tok.encode(corrupt_prompt)])
+clean, corrupt = model.to_tokens(clean_prompt), model.to_tokens(corrupt_prompt)
 assert clean.shape == corrupt.shape, "patching needs prompts of equal length"
 single, double = tok.encode("'")[0], tok.encode('"')[0]
 ld = lambda out: (out[0, -1, single] - out[0, -1, double]).item()
@@ -245,7 +245,7 @@ padded, mask = tok.encode_padded(prompts, padding_side="left")  # [2, T_max] eac
 batched = model(padded, attention_mask=mask)  # [2, T_max, V]
 print(f"batch {tuple(padded.shape)}, real tokens per row {mask.sum(-1).tolist()}")
 for row, text in enumerate(prompts):
-    alone = model(torch.tensor([tok.encode(text)]))  # [1, T_row, V]
+    alone = model(model.to_tokens(text))  # [1, T_row, V]
     gap = (batched[row, -alone.shape[1]:] - alone[0]).abs().max().item()  # left padding: the row's tokens are last
     print(f"row {row}: max |batched - alone| over its logits = {gap:.0e} (float32 rounding: {gap < 1e-4})")
 
@@ -268,7 +268,7 @@ from k2lab.analysis.interventions import attribution_patch
 
 ld_tensor = lambda out: out[0, -1, single] - out[0, -1, double]  # noqa: E731  the metric as a scalar tensor
 estimates = attribution_patch(model, clean, corrupt, ld_tensor, names="hook_resid_pre")  # {name: [B, T]}
-estimated = torch.stack([estimates[f"layers.{i}.hook_resid_pre"][0] for i in patched_layers]) / (ld_clean - ld_corrupt)
+estimated = torch.stack([estimates[f"layers.{i}.hook_resid_pre"][0] for i in patched_layers]).cpu() / (ld_clean - ld_corrupt)
 r = torch.corrcoef(torch.stack([estimated.flatten(), restored.flatten()]))[0, 1].item()
 print(f"correlation over the {restored.numel()} cells: {r:.2f}")
 for row, t in [divmod(int(c), T) for c in restored.flatten().topk(4).indices]:

@@ -45,7 +45,7 @@ import torch
 
 question = "Write a Python function that checks whether a string is a palindrome."
 messages = [{"role": "user", "content": question}]
-ids = torch.tensor([tok.apply_chat_template(messages)])  # [B=1, T], ends with the assistant's header
+ids = torch.tensor([tok.apply_chat_template(messages)], device=model.device)  # [B=1, T], ends with the assistant's header
 tokens = [tok.id_to_piece(i) for i in ids[0].tolist()]
 print(f"{ids.shape[1]} tokens; the last ones: {tokens[-6:]}")
 
@@ -169,10 +169,12 @@ print(exercises.check_logit_lens(my_logit_lens))
 # from there on, anything may change.
 
 # %% tags=["solution"]
-other = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "Sort a list of numbers in Python."}])])
+other = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "Sort a list of numbers in Python."}])],
+                     device=model.device)
 tr_other = routing.trace(model, other)
 first = next(t for t, (a, b) in enumerate(zip(ids[0].tolist(), other[0].tolist(), strict=False)) if a != b)
-same = [torch.equal(tr.indices[:, 0, t], tr_other.indices[:, 0, t]) for t in range(min(ids.shape[1], other.shape[1]))]
+same = [torch.equal(tr.indices[:, 0, t], tr_other.indices[:, 0, t].to(tr.indices.device))  # tr was gathered to the CPU
+        for t in range(min(ids.shape[1], other.shape[1]))]
 print(f"first differing token at position {first}; routing identical at positions 0..{first - 1}: {all(same[:first])}; "
       f"identical afterwards at {sum(same[first:])} of {len(same) - first} shared positions")
 

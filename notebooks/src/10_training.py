@@ -107,7 +107,7 @@ from k2lab.training import corpus
 from k2lab.training.optim import qk_clip
 
 text = tok.encode(corpus.corpus_text("heldout", "prose"), allow_special=False)[: 4 * 65]
-batch = torch.tensor(text).view(4, 65)  # [B, T+1]: inputs and shifted targets
+batch = torch.tensor(text, device=model.device).view(4, 65)  # [B, T+1]: inputs and shifted targets
 
 
 def head_max(m) -> torch.Tensor:
@@ -148,7 +148,7 @@ u = torch.tensor([s["bias_step"] for s in log["steps"]])[:, None, None]  # [S, 1
 steps_taken = u * torch.sign(counts.mean(-1, keepdim=True) - counts)  # [S, L_moe, E]
 bias = steps_taken.cumsum(0)  # [S, L_moe, E]: the bias after each step
 layers = routing.moe_layers(model)  # indices of the MoE blocks
-final = torch.stack([model.layers[i].mlp.gate.e_score_correction_bias for i in layers])  # [L_moe, E]
+final = torch.stack([model.layers[i].mlp.gate.e_score_correction_bias for i in layers]).cpu()  # [L_moe, E] as the log
 print("replayed bias equals the checkpoint's:", torch.allclose(bias[-1], final, atol=1e-4))
 
 # %% [markdown]

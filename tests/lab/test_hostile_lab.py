@@ -28,7 +28,8 @@ def test_a_bad_environment_value_names_its_variable(env, named):
 
 @pytest.mark.parametrize("fields, named", [
     ({"device_map": {"": "tpu"}}, r"LabSettings.device_map\[''\] = 'tpu' is not a torch device"),
-    ({"device_map": "gpu"}, "LabSettings.device_map must be None, 'auto', a device or a mapping"),
+    ({"device_map": "gpu"}, "LabSettings.device_map = 'gpu' is not a torch device"),
+    ({"device_map": 2.5}, "LabSettings.device_map must be None, 'auto', a device or a mapping"),
     ({"device_map": {0: "cpu"}}, "LabSettings.device_map: module prefixes must be strings"),
     ({"expert_budget_bytes": "1GB"}, "LabSettings.expert_budget_bytes must be None or an integer >= 0, got '1GB'"),
     ({"expert_budget_bytes": -1}, "LabSettings.expert_budget_bytes must be None or an integer >= 0"),
@@ -46,4 +47,5 @@ def test_a_bad_settings_field_is_named_when_made(fields, named):
 def test_good_device_maps_pass():
     assert LabSettings.from_env({"K2LAB_DEVICE_MAP": "cuda:1"}).device_map == {"": "cuda:1"}
     assert LabSettings(device_map={"layers.0": 0, "": torch.device("cpu")}).device_map["layers.0"] == 0
+    assert [LabSettings(device_map=d).device_map for d in ("cpu", "cuda:1", 0)] == ["cpu", "cuda:1", 0]
     assert LabSettings.from_env({"K2LAB_EXPERT_BUDGET_GIB": "0.5"}).expert_budget_bytes == 2**29
