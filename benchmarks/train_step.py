@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from k2lab import K2Config, K2Model, count_parameters
 from k2lab.training.optim import MuonClip, native_bfloat16
-from k2lab.training.train import TrainConfig, next_token_loss, recipe_step
+from k2lab.training.train import TrainConfig, next_token_loss, recipe_step, training_model
 
 from .timing import alternate
 
@@ -54,9 +54,7 @@ class Contender:
     def step(self, batch: torch.Tensor):
         """A closure running one step of the recipe on ``batch`` [B, T+1] (the model and optimiser live in it)."""
         tc = TrainConfig()
-        model = K2Model(self.cfg)
-        model.init_weights(seed=0)
-        model.train()
+        model = training_model(self.cfg, seed=0)
         opt = MuonClip.for_model(model, lr=tc.lr, weight_decay=tc.weight_decay, ns_dtype=self.ns_dtype)
         loss_fn = next_token_loss if self.loss == "chunked" else full_logits_loss
         loss_fn = torch.compile(loss_fn) if self.compiled else loss_fn

@@ -147,6 +147,18 @@ def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, gen: torch
     return torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()]).long()
 
 
+def training_model(cfg: K2Config, seed: int) -> K2Model:
+    """A K2 as the run trains it: random initial weights from ``seed``, training mode, and its experts run grouped
+    (``MoE.grouped``, k2lab/model/dispatch.py: one gradient pass per expert stack instead of one per expert)."""
+    model = K2Model(cfg)
+    model.init_weights(seed=seed)
+    model.train()
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.grouped = True
+    return model
+
+
 def next_token_loss(model: K2Model, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy in nats of each next token ("mean" or "sum" over them): batch [B, T+1] ids, inputs
     batch[:, :-1], targets batch[:, 1:]. The head runs chunk by chunk (``k2lab.model.loss``), so the batch's logits
@@ -241,12 +253,7 @@ def train(cfg: K2Config, tc: TrainConfig, tokenizer: K2Tokenizer, log_every: int
     if len(library) <= tc.seq_len + 1 or len(heldout_code) < 2 * tc.seq_len:
         raise ValueError(f"TrainConfig.seq_len={tc.seq_len} is too long for the corpus ({len(library):,} training "
                          f"and {len(heldout_code):,} held-out tokens)")
-    model = K2Model(cfg)
-    model.init_weights(seed=tc.seed)
-    model.train()
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.grouped = True  # one gradient pass per expert stack (k2lab/model/dispatch.py)
+    model = training_model(cfg, tc.seed)
     opt = MuonClip.for_model(model, lr=tc.lr, weight_decay=tc.weight_decay, embed_lr_scale=tc.embed_lr_scale,
                              head_lr_scale=tc.head_lr_scale)
     loss_fn = torch.compile(next_token_loss) if tc.compile else next_token_loss  # evaluations run eager

@@ -8,7 +8,14 @@ from tiny import TRAINABLE
 
 from k2lab import K2Model
 from k2lab.training.optim import MuonClip
-from k2lab.training.train import StepProbes, TrainConfig, next_token_loss, recipe_step, train_config_from
+from k2lab.training.train import (
+    StepProbes,
+    TrainConfig,
+    next_token_loss,
+    recipe_step,
+    train_config_from,
+    training_model,
+)
 
 
 def test_overrides_take_each_fields_type():
@@ -25,6 +32,29 @@ def test_overrides_take_each_fields_type():
 def test_a_bad_override_is_named(pair, named):
     with pytest.raises(ValueError, match=named):
         train_config_from([pair])
+
+
+def test_the_run_trains_with_its_experts_grouped_and_the_loop_gives_the_same_gradients():
+    """The run's model sends each expert stack one gradient (model/dispatch.py's StackSlices); the reference loop's
+    gradients agree to float32 rounding."""
+    batch = torch.randint(0, TRAINABLE.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    grouped, loop = training_model(TRAINABLE, seed=1), K2Model(TRAINABLE)
+    loop.load_state_dict(grouped.state_dict())
+    grads = {}
+    for name, model in (("grouped", grouped), ("loop", loop)):
+        loss = next_token_loss(model, batch)
+        nodes, frontier = set(), [loss.grad_fn]
+        while frontier:  # every node of the backward graph
+            node = frontier.pop()
+            if node is not None and node not in nodes:
+                nodes.add(node)
+                frontier.extend(next_node for next_node, _ in node.next_functions)
+        stacks = sum(type(node).__name__ == "StackSlicesBackward" for node in nodes)
+        assert stacks == (3 * (TRAINABLE.num_hidden_layers - TRAINABLE.first_k_dense_replace) if name == "grouped"
+                          else 0), name
+        grads[name] = torch.autograd.grad(loss, list(model.parameters()))
+    for got, want in zip(grads["grouped"], grads["loop"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def _loss_grads_probes(model, batch, loss_fn):
