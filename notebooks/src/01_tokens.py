@@ -13,17 +13,24 @@
 # layout at 8,192 ids (7,936 + 256), learned on Python's standard library with K2's own regex.
 
 # %% tags=["parameters"]
+from pathlib import Path
+
+import k2lab
 from k2lab import lab
 
 lab.setup_notebook()
 settings = lab.LabSettings.from_env()
 tok = lab.tokenizer(settings)  # the tokenizer alone: no weights needed here
-print(tok)
+where, root = Path(tok.name), Path(k2lab.__file__).parent.parent  # tok.name: the folder it came from, or a hub id
+# the bundled tokenizer shows as k2lab/lab/assets/nano, not as a path on the machine that ran this cell
+shown = str(where.relative_to(root)) if where.is_relative_to(root) else tok.name
+print(f"K2Tokenizer({shown!r}, vocab_size={tok.vocab_size}, allow_special={tok.allow_special})")
 
 # %% [markdown]
 # ## The pre-tokenizer
 #
-# K2's regex (`k2lab.tokenizer.KIMI_PATTERN`) has eight alternatives, tried left to right at each position:
+# K2's regex (`k2lab.tokenizer.KIMI_PATTERN`) has eight alternatives, tried left to right at each position; the
+# table gives the first five a row each and groups the last three, which all match whitespace, in its last row:
 #
 # | branch | matches | example |
 # | --- | --- | --- |

@@ -91,9 +91,11 @@ print(f"removing it changes that logit by {(out - logits)[0, -1, target].item():
 # removing a term also changes the final norm's scale, the rms of x_L that divides every term. And log p
 # saturates: with p = 0.72 the target already holds most of the probability, so lowering its logit lowers the
 # softmax's normaliser almost as much (d log p / d logit = 1 − p = 0.28); the other logits barely move. So the
-# favourite expert of the last layer helps, but the prediction does not hang on it. The ablations of the token's
-# other experts at this layer (`reroute` mode) are smaller still, and some *raise* log p: those experts' own
-# direct pushes on ` r` are weaker than what their replacements bring.
+# favourite expert of the last layer helps, but the prediction does not hang on it. Rerouting the token's other
+# experts at this layer (below) *raises* log p in all three cases: for experts 3 and 30 by less than any removal
+# of expert 14 changed it (+0.019 and +0.009), but for expert 9 by +0.116, more than rerouting or zeroing expert
+# 14 lowered it (−0.059, −0.076); of the six ablations only `renormalize` on expert 14 (−0.153) moves log p
+# further. For those slots the next-best expert by choice score does more for ` r` than the expert it replaces.
 
 # %%
 for e in chosen.tolist()[1:]:

@@ -62,8 +62,10 @@ for tokens in (4_096, 32_768, 131_072):
 # %% [markdown]
 # ## Can this machine run K2?
 #
-# `k2lab.plan` places whole blocks on devices, balanced by bytes, keeps headroom on each for activations and the
-# KV cache, and says whether it fits. On this machine's memory alone:
+# `k2lab.plan` places whole blocks on devices in order (the embedding on the first, the head on the last), keeps
+# headroom on each for activations and the KV cache, and says whether it fits. It balances by bytes in one sense:
+# it minimises the fullest device's weights, as a share of its capacity less the headroom; it does not make the
+# devices equal. On this machine's memory alone:
 
 # %% tags=["nbval-ignore-output"]
 print(k2lab.plan(k2, devices=[torch.device("cpu")]))
@@ -73,6 +75,14 @@ print(k2lab.plan(k2, devices=[torch.device("cpu")]))
 
 # %%
 print(k2lab.plan(k2, devices=[141 * 10**9] * 8))
+
+# %% [markdown]
+# Why 136.5 GB on six devices and 87.7 GB on the last: one MoE block in FP8 is about 17.1 GB (136.5 / 8), and a
+# device's 141 GB less the 4.3 GB of headroom holds eight of them but not nine. Sixty MoE blocks on eight devices
+# put at least eight on one of them, so no placement of whole blocks gets the fullest device below 136.5 GB. The
+# plan fills the devices in order up to that: cuda:0 takes the embedding, the dense block 0 and seven MoE blocks
+# (122.3 GB), cuda:1 to cuda:6 eight MoE blocks each, and cuda:7 what is left: five MoE blocks, the final norm and
+# the head (87.7 GB). An even split would put 128.6 GB (1,029.2 / 8) on each, which whole blocks cannot reach.
 
 # %% [markdown]
 # ## Three relatives side by side

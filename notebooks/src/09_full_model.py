@@ -179,11 +179,21 @@ print(f"first differing token at position {first}; routing identical at position
       f"identical afterwards at {sum(same[first:])} of {len(same) - first} shared positions")
 
 # %% [markdown]
-# **2.** The default system message is added only when none is given:
+# **2.** The default system message ("You are Kimi, an AI assistant created by Moonshot AI.") is added only when
+# none is given. With K2-nano's tokenizer it takes 26 of the prompt's 52 tokens: its turn runs from `<|im_system|>`
+# to its `<|im_end|>`, and 22 of those tokens are the message's text. With "Be brief." the system turn is 10
+# tokens and the whole prompt 36. These counts come from K2-nano's tokenizer; with `K2LAB_MODEL` set, the cell
+# prints those of K2's own.
 
 # %% tags=["solution"]
+from k2lab.tokenizer.chat import DEFAULT_SYSTEM_PROMPT
+
 own = [{"role": "system", "content": "Be brief."}, *messages]
-print(f"default system prompt: {ids.shape[1]} tokens; with 'Be brief.': {len(tok.apply_chat_template(own))} tokens")
+with_own = tok.apply_chat_template(own)
+user_turn = tok.special_tokens["<|im_user|>"]  # each system turn ends where the user's turn begins
+print(f"the default system turn: {ids[0].tolist().index(user_turn)} of the prompt's {ids.shape[1]} tokens, "
+      f"{len(tok.encode(DEFAULT_SYSTEM_PROMPT))} of them its text")
+print(f"with 'Be brief.': a system turn of {with_own.index(user_turn)} tokens, {len(with_own)} in all")
 
 # %% [markdown]
 # **3.** The final norm, then the head, in float32:
