@@ -70,6 +70,17 @@ def blocks_modes(call: Callable[[], object]) -> tuple[object, list[bool]]:
         return call(), seen
 
 
+def backward_node_names(output: torch.Tensor) -> list[str]:
+    """The class name of every node of ``output``'s backward graph (each node once)."""
+    nodes, frontier = set(), [output.grad_fn]
+    while frontier:
+        node = frontier.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            frontier.extend(next_node for next_node, _ in node.next_functions)
+    return [type(node).__name__ for node in nodes]
+
+
 def attached(model: K2Model) -> int:
     """How many forward and backward hook functions are attached across all of model's hook points."""
     return sum(len(model.hook_point(n).fns) + len(model.hook_point(n).bwd_fns) for n in model.hook_names())

@@ -1,7 +1,7 @@
 """Speed room: the chosen experts run grouped, tokens sorted by expert, experts of similar load in pairs.
 
-Replaces ``MoE``'s reference loop (one ``where`` and three products per chosen expert) for a forward of at most
-``FEW_TOKENS`` tokens (a decode step) and for training (``MoE.grouped = True``). What it gains:
+Replaces ``MoE``'s reference loop (one ``where`` and three products per chosen expert) for a decode step (one new
+token per sequence, at most ``DECODE_BATCH`` sequences) and for training (``MoE.grouped = True``). What it gains:
 
 - Pairs: two experts of similar load run as one batched product over a strided view of the stacks (no copy). That
   halves the product calls, and a batched product runs a batch entry per thread, where one expert's product of a
@@ -24,8 +24,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-# A forward of at most this many tokens runs grouped by default: its experts' products have few rows.
-FEW_TOKENS = 16
+# A decode step (one new token per sequence) of at most this many sequences runs grouped by default: its experts'
+# products have few rows.
+DECODE_BATCH = 16
 
 
 def expert_groups(counts: list[int], pairs: bool) -> list[tuple[int, ...]]:

@@ -16,7 +16,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if x.numel() <= SPLIT_MAX_ROWS * x.shape[-1] and x.device.type == "cpu":  # a decode step's few rows
+        if x.shape[-2] == 1 and x.numel() <= SPLIT_MAX_ROWS * x.shape[-1] and x.device.type == "cpu":  # a decode step
             return split_linear(x, self.weight)  # model/linear.py: one block of weight rows per thread
         return F.linear(x, self.weight)
 

@@ -1,12 +1,12 @@
 """Speed room: a few-row product x @ W^T split over the CPU's threads (what a decode step multiplies).
 
-Replaces ``F.linear`` in ``layers.Linear`` when a product has at most ``SPLIT_MAX_ROWS`` rows on the CPU. There,
-torch hands such a product to a BLAS kernel that runs it on one thread however many torch has, although the
-product only streams the weight from memory and memory serves two threads faster than one. A batched product runs
-one batch entry per thread, so ``split_linear`` cuts the weight into equal blocks of rows (a free view, up to one
-per thread) and runs the product as one batched product over them. What a decode step gains at two threads is
-measured by ``python -m benchmarks.vs_hf`` (docs/speed.md). Equal to ``F.linear`` to float32 rounding; one thread,
-GPUs, many rows and small weights go to ``F.linear`` unchanged.
+Replaces ``F.linear`` in ``layers.Linear`` for a decode step on the CPU: one new token per sequence, at most
+``SPLIT_MAX_ROWS`` rows. There, torch hands such a product to a BLAS kernel that runs it on one thread however many
+torch has, although the product only streams the weight from memory and memory serves two threads faster than one.
+A batched product runs one batch entry per thread, so ``split_linear`` cuts the weight into equal blocks of rows (a
+free view, up to one per thread) and runs the product as one batched product over them. What a decode step gains at
+two threads is measured by ``python -m benchmarks.vs_hf`` (docs/speed.md). Equal to ``F.linear`` to float32
+rounding; one thread, GPUs, many rows and small weights go to ``F.linear`` unchanged.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K2Config
-from .dispatch import FEW_TOKENS, grouped_experts
+from .dispatch import DECODE_BATCH, grouped_experts
 from .hooks import HookPoint
 from .indexed import indexed_experts
 from .layers import SwiGLU
@@ -129,10 +129,10 @@ class RoutedExperts(nn.Module):
 class MoE(nn.Module):
     """routed (sum over the k chosen experts of weight * expert(x)) + shared expert(x)."""
 
-    # How the chosen experts run. None: the reference loop below, except for a forward of at most FEW_TOKENS
-    # tokens (a decode step), which runs them grouped (model/dispatch.py), and a compiled decode step, which reads
-    # them by index (model/indexed.py). True: always grouped (training: one gradient pass per stack). False: always
-    # the loop.
+    # How the chosen experts run. None: the reference loop below, except for a decode step (one new token per
+    # sequence, at most DECODE_BATCH sequences), which runs them grouped (model/dispatch.py), and a compiled decode
+    # step, which reads them by index (model/indexed.py). True: always grouped (training: one gradient pass per
+    # stack). False: always the loop.
     grouped: bool | None = None
 
     def __init__(self, cfg: K2Config):
@@ -154,7 +154,7 @@ class MoE(nn.Module):
             expert_out = x.new_empty(B, T, idx.shape[-1], D)
         elif torch.compiler.is_compiling() and self.experts.stacked and idx.numel() <= self.experts.num_experts:
             expert_out = indexed_experts(self.experts, x, idx)  # model/indexed.py: a compiled decode step
-        elif self.grouped or (self.grouped is None and B * T <= FEW_TOKENS):
+        elif self.grouped or (self.grouped is None and T == 1 and B <= DECODE_BATCH):
             expert_out = grouped_experts(self.experts, x, idx)  # model/dispatch.py: decode steps, training
         else:  # the reference: each chosen expert's SwiGLU on the tokens routed to it, into their slots
             expert_out = x.new_zeros(B, T, idx.shape[-1], D)  # [B, T, k, D]

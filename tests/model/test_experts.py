@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_oracle import relative_error
-from tiny import TINY
+from tiny import TINY, backward_node_names
 
 from k2lab.model.dispatch import StackSlices, expert_groups, group_span, grouped_experts
 from k2lab.model.indexed import indexed_experts
@@ -145,14 +145,7 @@ def test_stack_slices_backward_equals_slicing_and_is_one_node_per_stack():
     assert torch.equal(stack.grad, plain.grad) and stack.grad[5].abs().max() == 0
 
     x = torch.randn(1, 37, D, generator=gen, requires_grad=True)
-    out = grouped_experts(_experts(), x, _route(37, 4))
-    nodes, frontier = set(), [out.grad_fn]
-    while frontier:  # every node of the backward graph
-        node = frontier.pop()
-        if node is not None and node not in nodes:
-            nodes.add(node)
-            frontier.extend(next_node for next_node, _ in node.next_functions)
-    names = [type(node).__name__ for node in nodes]
+    names = backward_node_names(grouped_experts(_experts(), x, _route(37, 4)))
     assert names.count("StackSlicesBackward") == 3  # gate, up, down: one node each, whatever the number of groups
     assert not any(name.startswith("SliceBackward") for name in names)
 
@@ -177,10 +170,12 @@ def test_stack_slices_run_only_where_a_gradient_may_flow_into_the_stacks(monkeyp
     assert len(calls) == 3  # neither call went through StackSlices
 
 
-@pytest.mark.parametrize(("tokens", "grouped", "expected"), [
-    (1, None, "grouped"), (16, None, "grouped"), (17, None, "loop"), (40, True, "grouped"), (1, False, "loop")])
-def test_moe_runs_the_grouped_dispatch_for_few_tokens_or_when_told(monkeypatch, tokens, grouped, expected):
-    """MoE.grouped: None runs the reference loop but for a forward of at most FEW_TOKENS (16) tokens."""
+@pytest.mark.parametrize(("shape", "grouped", "expected"), [
+    ((1, 1), None, "grouped"), ((16, 1), None, "grouped"), ((17, 1), None, "loop"), ((1, 2), None, "loop"),
+    ((1, 16), None, "loop"), ((1, 40), True, "grouped"), ((1, 1), False, "loop")])
+def test_moe_runs_the_grouped_dispatch_for_a_decode_step_or_when_told(monkeypatch, shape, grouped, expected):
+    """MoE.grouped: None runs the reference loop but for a decode step: one new token per sequence [B, 1], at most
+    DECODE_BATCH (16) sequences. A short prompt is no decode step."""
     import k2lab.model.moe as moe_module
 
     calls = []
@@ -188,5 +183,5 @@ def test_moe_runs_the_grouped_dispatch_for_few_tokens_or_when_told(monkeypatch, 
     moe = MoE(TINY)
     moe.grouped = grouped
     with torch.no_grad():
-        moe(torch.randn(1, tokens, D))
+        moe(torch.randn(*shape, D))
     assert ("grouped" if calls else "loop") == expected

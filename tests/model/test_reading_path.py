@@ -40,9 +40,21 @@ def nano():
     return model, torch.tensor([tok.encode(PROMPT)])
 
 
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("length", [2, 16, 17, None], ids=["2 tokens", "16 tokens", "17 tokens", "the lab's prompt"])
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad on"])
-def test_a_plain_forward_of_k2_nano_reads_in_few_short_functions_and_files(nano, grad):
+def test_a_plain_forward_of_k2_nano_reads_in_few_short_functions_and_files(nano, threads, length, grad):
+    """Any prompt of two tokens or more: a forward of one new token per sequence is a decode step, whose speed rooms
+    are in the next test."""
     model, ids = nano
+    ids = ids if length is None else ids[:, :length]
     with torch.set_grad_enabled(grad):
         called = functions_called(lambda: model(ids))
     files = {file for file, _ in called}
@@ -59,7 +71,8 @@ def test_a_plain_forward_of_k2_nano_reads_in_few_short_functions_and_files(nano,
 
 
 def test_the_speed_rooms_are_where_their_work_is(nano):
-    """A decode step at two threads runs the few-row thread split and the grouped experts; a prefill runs neither."""
+    """A decode step (one new token per sequence) at two threads runs the few-row thread split and the grouped experts;
+    a prefill runs neither."""
     model, ids = nano
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

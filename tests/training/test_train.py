@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import TRAINABLE
+from tiny import TRAINABLE, backward_node_names
 
 from k2lab import K2Model
 from k2lab.training.optim import MuonClip
@@ -43,13 +43,7 @@ def test_the_run_trains_with_its_experts_grouped_and_the_loop_gives_the_same_gra
     grads = {}
     for name, model in (("grouped", grouped), ("loop", loop)):
         loss = next_token_loss(model, batch)
-        nodes, frontier = set(), [loss.grad_fn]
-        while frontier:  # every node of the backward graph
-            node = frontier.pop()
-            if node is not None and node not in nodes:
-                nodes.add(node)
-                frontier.extend(next_node for next_node, _ in node.next_functions)
-        stacks = sum(type(node).__name__ == "StackSlicesBackward" for node in nodes)
+        stacks = backward_node_names(loss).count("StackSlicesBackward")
         assert stacks == (3 * (TRAINABLE.num_hidden_layers - TRAINABLE.first_k_dense_replace) if name == "grouped"
                           else 0), name
         grads[name] = torch.autograd.grad(loss, list(model.parameters()))
