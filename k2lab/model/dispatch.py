@@ -1,7 +1,8 @@
 """Speed room: the chosen experts run grouped, tokens sorted by expert, experts of similar load in pairs.
 
 Replaces ``MoE``'s reference loop (one ``where`` and three products per chosen expert) for a decode step (one new
-token per sequence, at most ``DECODE_BATCH`` sequences) and for training (``MoE.grouped = True``). What it gains:
+token per sequence, at most ``DECODE_BATCH`` sequences), on a GPU (where each ``where`` waits for the device: one
+host sync per chosen expert, against one per layer here) and for training (``MoE.grouped = True``). What it gains:
 
 - Pairs: two experts of similar load run as one batched product over a strided view of the stacks (no copy). That
   halves the product calls, and a batched product runs a batch entry per thread, where one expert's product of a

@@ -130,8 +130,9 @@ class MoE(nn.Module):
     """routed (sum over the k chosen experts of weight * expert(x)) + shared expert(x)."""
 
     # How the chosen experts run. None: the reference loop below, except for a decode step (one new token per
-    # sequence, at most DECODE_BATCH sequences), which runs them grouped (model/dispatch.py), and a compiled decode
-    # step, which reads them by index (model/indexed.py). True: always grouped (training: one gradient pass per
+    # sequence, at most DECODE_BATCH sequences) and on a GPU (where the loop's `where` per expert is a host sync),
+    # which run them grouped (model/dispatch.py), and a compiled decode step, which reads them by index
+    # (model/indexed.py). True: always grouped (training: one gradient pass per
     # stack). False: always the loop.
     grouped: bool | None = None
 
@@ -154,8 +155,8 @@ class MoE(nn.Module):
             expert_out = x.new_empty(B, T, idx.shape[-1], D)
         elif torch.compiler.is_compiling() and self.experts.stacked and idx.numel() <= self.experts.num_experts:
             expert_out = indexed_experts(self.experts, x, idx)  # model/indexed.py: a compiled decode step
-        elif self.grouped or (self.grouped is None and T == 1 and B <= DECODE_BATCH):
-            expert_out = grouped_experts(self.experts, x, idx)  # model/dispatch.py: decode steps, training
+        elif self.grouped or (self.grouped is None and (T == 1 and B <= DECODE_BATCH or x.device.type != "cpu")):
+            expert_out = grouped_experts(self.experts, x, idx)  # model/dispatch.py: decode steps, GPUs, training
         else:  # the reference: each chosen expert's SwiGLU on the tokens routed to it, into their slots
             expert_out = x.new_zeros(B, T, idx.shape[-1], D)  # [B, T, k, D]
             for e in idx.unique().tolist():
