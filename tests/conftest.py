@@ -22,6 +22,15 @@ def model() -> K2Model:
     return random_model(TINY, seed=0)
 
 
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request) -> int:
+    """Runs the test at one torch thread and at two (a batched product splits over threads), then restores torch's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def ids() -> torch.Tensor:
     """[2, 7] token ids for TINY (seed 0)."""

@@ -18,14 +18,6 @@ from k2lab.model.moe import MoE, RoutedExperts
 E, D = TINY.n_routed_experts, TINY.hidden_size
 
 
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _experts(seed: int = 0) -> RoutedExperts:
     experts = RoutedExperts(TINY)
     gen = torch.Generator().manual_seed(seed)

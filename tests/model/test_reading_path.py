@@ -40,14 +40,6 @@ def nano():
     return model, torch.tensor([tok.encode(PROMPT)])
 
 
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("length", [2, 16, 17, None], ids=["2 tokens", "16 tokens", "17 tokens", "the lab's prompt"])
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad on"])
 def test_a_plain_forward_of_k2_nano_reads_in_few_short_functions_and_files(nano, threads, length, grad):
