@@ -29,7 +29,7 @@ PROMPT, NEW_TOKENS = 16, 32
 
 def write_mini(folder: Path) -> Path:
     from k2lab import K2Config, K2Model
-    from k2lab.lab.nano import save_checkpoint
+    from k2lab.weights.writer import save_checkpoint
 
     model = K2Model(K2Config.mini())
     model.init_weights(seed=0)

@@ -81,14 +81,14 @@ ROOMS = {FUSED_OFF: "default call", GROUPED_OFF: PLAIN, SPLIT_OFF: PLAIN}
 @contextlib.contextmanager
 def experts_grouped(model: k2lab.K2Model, grouped: bool):
     """Every MoE layer runs its experts grouped (model/dispatch.py) or through the reference loop."""
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    for moe in moes:
+    before = {moe: moe.grouped for moe in model.modules() if isinstance(moe, MoE)}
+    for moe in before:
         moe.grouped = grouped
     try:
         yield
     finally:
-        for moe in moes:
-            moe.grouped = None
+        for moe, setting in before.items():
+            moe.grouped = setting
 
 
 @contextlib.contextmanager

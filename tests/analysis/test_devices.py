@@ -127,7 +127,8 @@ def test_on_cuda_routing_metrics_take_cpu_ids_and_answer_on_the_gpu(models):
     assert counts.is_cuda and R.max_violation(counts).is_cuda and R.domain_specialization(tr).is_cuda
     vs, vs_cpu = R.vocabulary_specialization(tr, ids), R.vocabulary_specialization(tr_cpu, ids.cuda())
     assert vs.counts.is_cuda and vs.occurrences.is_cuda and vs_cpu.counts.device.type == "cpu"
-    assert torch.equal(vs.ratio.cpu(), vs_cpu.ratio) and vs.mean_max(min_count=1).is_cuda
+    torch.testing.assert_close(vs.ratio.cpu(), vs_cpu.ratio)  # CUDA's division against the CPU's: to rounding
+    assert vs.mean_max(min_count=1).is_cuda
     assert torch.allclose(vs.mean_max(min_count=2).cpu(), vs_cpu.mean_max(min_count=2), equal_nan=True)
     assert vs.top_tokens(1, 0, min_count=1) == vs_cpu.top_tokens(1, 0, min_count=1)
     joined = R.RoutingTrace.concat([tr, R.trace(cpu, ids[:, :7])])
