@@ -24,6 +24,7 @@ a list of any of these. Short TransformerLens-style names: ``get_act_name("resid
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
@@ -44,6 +45,7 @@ Hooks = Iterable[tuple[NameFilter, HookFn]]  # (selector, fn) pairs
 # Short names (TransformerLens habit) -> the probe's path inside layer i, or its whole name for model-level probes.
 LAYER_PROBES = {
     "resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "resid_post": "hook_resid_post",
+    "ln1": "input_layernorm.hook_out", "ln2": "post_attention_layernorm.hook_out",
     "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out",
     "q_latent": "self_attn.hook_q_latent", "kv_latent": "self_attn.hook_kv_latent",
     "q_nope": "self_attn.hook_q_nope", "q_pe": "self_attn.hook_q_pe", "rot_q_pe": "self_attn.hook_rot_q_pe",
@@ -56,6 +58,28 @@ LAYER_PROBES = {
     "routed_out": "mlp.hook_routed_out", "shared_out": "mlp.hook_shared_out",
 }
 MODEL_PROBES = {"embed": "embed_tokens.hook_out", "final_norm": "norm.hook_out", "logits": "hook_logits"}
+
+
+# TransformerLens spellings of probe paths -> k2lab's, accepted wherever a probe name is (k2lab's stay the documented
+# ones): blocks.{i}. for layers.{i}., attn. for self_attn., ln1/ln2/ln_final.hook_normalized for the norms' hook_out.
+TL_PATHS = [
+    (re.compile(r"^blocks\.(\d+)\."), r"layers.\1."),
+    (re.compile(r"^layers\.(\d+)\.attn\."), r"layers.\1.self_attn."),
+    (re.compile(r"^layers\.(\d+)\.ln1\.hook_normalized"), r"layers.\1.input_layernorm.hook_out"),
+    (re.compile(r"^layers\.(\d+)\.ln2\.hook_normalized"), r"layers.\1.post_attention_layernorm.hook_out"),
+    (re.compile(r"^ln_final\.hook_normalized"), "norm.hook_out"),
+    (re.compile(r"^hook_embed$"), "embed_tokens.hook_out"),
+]
+
+
+def canonical_probe_name(name: str) -> str:
+    """k2lab's spelling of a probe name or name fragment given in TransformerLens's: ``"blocks.3.attn.hook_z"`` ->
+    ``"layers.3.self_attn.hook_z"``; any other string is returned as it is."""
+    if not name.startswith(("blocks.", "ln_final.", "hook_embed")):
+        return name
+    for pattern, replacement in TL_PATHS:
+        name = pattern.sub(replacement, name)
+    return name
 
 
 def get_act_name(name: str, layer: int | None = None) -> str:
@@ -168,7 +192,8 @@ class HookedModule(nn.Module):
         return list(self._hook_points)
 
     def hook_point(self, name: str) -> HookPoint:
-        """The probe of this exact name (raises with the closest names)."""
+        """The probe of this exact name, or its TransformerLens spelling (raises with the closest names)."""
+        name = canonical_probe_name(name)
         if name not in self._hook_points:
             close = difflib.get_close_matches(name, self._hook_points, n=5, cutoff=0.5)
             raise KeyError(f"no probe named {name!r}; closest: {close or 'none'} (see model.hook_names())")
@@ -176,7 +201,8 @@ class HookedModule(nn.Module):
 
     def select_hook_names(self, names: NameFilter) -> list[str]:
         """Probe names chosen by ``names``: None (all), an exact name, a substring, a predicate, or a list of these
-        (their union, in module order). A selector that matches nothing raises with the closest names."""
+        (their union, in module order); TransformerLens's ``blocks.{i}.`` spellings work (``canonical_probe_name``).
+        A selector that matches nothing raises with the closest names."""
         if names is None:
             return self.hook_names()
         if callable(names):
@@ -185,6 +211,7 @@ class HookedModule(nn.Module):
                 raise KeyError("the name predicate matched no probe; see model.hook_names()")
             return found
         if isinstance(names, str):
+            names = canonical_probe_name(names)
             if names in self._hook_points:
                 return [names]
             found = [n for n in self._hook_points if names in n]

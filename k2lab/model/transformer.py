@@ -62,6 +62,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = MultiHeadLatentAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm.hook_out = HookPoint()  # [B, T, D] attention's normalised input
+        self.post_attention_layernorm.hook_out = HookPoint()  # [B, T, D] the feed-forward's (MoE's) normalised input
         self.hook_resid_pre = HookPoint()  # [B, T, D] block input
         self.hook_attn_out = HookPoint()  # [B, T, D] attention's write to the residual
         self.hook_resid_mid = HookPoint()  # [B, T, D] after attention
@@ -71,9 +73,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 attn_impl: AttnImpl = "auto", attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.hook_resid_pre(x)  # [B, T, D]
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, self.layer, attn_impl, attn_mask)
+        attn_in = self.input_layernorm.hook_out(self.input_layernorm(x))  # [B, T, D]
+        attn = self.self_attn(attn_in, cos, sin, cache, self.layer, attn_impl, attn_mask)
         x = self.hook_resid_mid(x + self.hook_attn_out(attn))
-        return self.hook_resid_post(x + self.hook_mlp_out(self.mlp(self.post_attention_layernorm(x))))
+        mlp_in = self.post_attention_layernorm.hook_out(self.post_attention_layernorm(x))  # [B, T, D]
+        return self.hook_resid_post(x + self.hook_mlp_out(self.mlp(mlp_in)))
 
 
 class K2Model(HookedModule):
