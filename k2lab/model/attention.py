@@ -65,9 +65,11 @@ class LatentCache:
     the prompt plus the new tokens).
     """
 
-    def __init__(self, cfg: K2Config, batch_size: int, dtype: torch.dtype,
-                 device: torch.device | str | Sequence[torch.device | str], num_layers: int | None = None,
+    def __init__(self, cfg: K2Config, batch_size: int = 1, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | Sequence[torch.device | str] = "cpu", num_layers: int | None = None,
                  capacity: int = 0):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a whole number of rows >= 1, got {batch_size!r}")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"capacity must be a whole number of positions >= 0, got {capacity!r}")
         self.kv_lora_rank = cfg.kv_lora_rank
@@ -186,8 +188,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.hook_rot_k_pe = HookPoint()  # [B, T, R] rotated: what the cache stores
         self.hook_attn_scores = HookPoint()  # [B, H, T, S] scaled, masked pre-softmax logits (only when probed)
         # [B, H] each head's largest scaled logit over the positions it may see, detached: what QK-Clip watches.
-        # Computed only when probed, without leaving the fused kernel (replacing it changes nothing downstream).
+        # Computed only when probed, without leaving the fused kernel; read-only (nothing downstream uses it).
         self.hook_max_logit = HookPoint()
+        self.hook_max_logit.read_only = "hook_attn_scores"  # the scores it is the maximum of
         self.hook_pattern = HookPoint()  # [B, H, T, S] softmax of the scores (only when probed)
         self.hook_z = HookPoint()  # [B, T, H, V] per-head output before o_proj
 

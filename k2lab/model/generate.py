@@ -76,9 +76,11 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     ``top_k`` and ``top_p``, reproducibly for a given ``seed``. A row stops at the eos id (the config's unless
     given) and is padded with it while other rows go on; generation ends when every row has stopped.
 
-    A padded batch: ``attention_mask`` [B, T] (1 = token, 0 = pad). Each row continues from its last real token,
-    and greedy decoding gives each row the tokens it would get alone. Pad on the left (``tok.encode_padded``'s
-    default), so that every row's text stays contiguous in the result; the result keeps the pads where they were.
+    A padded batch: ``attention_mask`` [B, T] (1 = token, 0 = pad); ids given without one are masked as the model's
+    forward masks them (``K2Model.infer_attention_mask``: [PAD] tokens at a row's edges). Each row continues from its
+    last real token, and greedy decoding gives each row the tokens it would get alone. Pad on the left
+    (``tok.encode_padded``'s default), so that every row's text stays contiguous in the result; the result keeps the
+    pads where they were.
 
     Text: ``generate(model, "def f(", ...)`` (or a list of strings, left-padded into one batch) encodes with the
     ``tokenizer`` (default ``model.tokenizer``) and returns the full text, prompt plus completion, for each
@@ -107,6 +109,9 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
         raise ValueError(f"compile must be True or False, got {compile!r}")
     if compile and not isinstance(model, K2Model):
         raise ValueError(f"compile=True compiles a K2Model's decode step; this model is a {type(model).__name__}")
+    if model.device.type == "meta":
+        raise ValueError("generate samples tokens from the logits' values, and a model on the meta device has none "
+                         "(only shapes): load it, or build it on a real device")
     text = input_ids if is_text(input_ids) else None
     if text is not None:
         if attention_mask is not None:
@@ -121,6 +126,8 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
         mask = check_attention_mask(attention_mask, *ids.shape).to(ids.device)  # [B, T] bool
         if not mask.any(-1).all():
             raise ValueError(f"attention_mask has a row without any token: row {int((~mask.any(-1)).nonzero()[0])}")
+    elif isinstance(model, K2Model):
+        mask = model.infer_attention_mask(ids)  # pads at the rows' edges, as the model's own forward infers them
     allowed = None  # [B, V]: the first step's constraint under token healing
     if token_healing:
         if tokenizer is None:

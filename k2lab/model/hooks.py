@@ -19,6 +19,9 @@ a list of any of these. Short TransformerLens-style names: ``get_act_name("resid
         ablated = model(ids)                                                # edit; detached on exit
     with model.hooks(bwd_hooks=[("hook_resid_mid", lambda g, hook: print(hook.name, g.norm()))]):
         model(ids, return_type="loss").backward()                          # gradients, inside the block
+
+TransformerLens's spellings work too: ``model.run_with_hooks(ids, fwd_hooks=[...])`` (one forward inside such a
+block), ``model.add_hook(selector, fn, dir="fwd" | "bwd")`` (attached until ``model.reset_hooks()``).
 """
 
 from __future__ import annotations
@@ -27,12 +30,12 @@ import difflib
 import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
-from .inference import is_observed
+from .inference import forward_wrapper_runs, is_observed
 
 if TYPE_CHECKING:  # activation_cache.py imports this module
     from .activation_cache import ActivationCache
@@ -112,6 +115,18 @@ def one_selector(names: NameFilter, names_filter: NameFilter) -> NameFilter:
     return names if names is not None else names_filter
 
 
+def hook_triples(fwd_hooks: Hooks, bwd_hooks: Hooks) -> list[tuple[NameFilter, HookFn, str]]:
+    """The ``(selector, fn)`` pairs of ``fwd_hooks`` and ``bwd_hooks`` as ``(selector, fn, "fwd" | "bwd")``; a pair
+    of any other form raises."""
+    triples = []
+    for dir, pairs in (("fwd", fwd_hooks), ("bwd", bwd_hooks)):
+        for pair in pairs:
+            if not (isinstance(pair, tuple | list) and len(pair) == 2 and callable(pair[1])):
+                raise ValueError(f"{dir}_hooks takes (selector, fn) pairs with fn(tensor, hook); got {pair!r}")
+            triples.append((pair[0], pair[1], dir))
+    return triples
+
+
 class HookPoint(nn.Module):
     """Identity on the forward path. Attached functions may read the tensor (or its gradient) or replace it."""
 
@@ -121,6 +136,9 @@ class HookPoint(nn.Module):
         self.fns: list[HookFn] = []  # forward hooks: fn(tensor, hook)
         self.bwd_fns: list[HookFn] = []  # backward hooks: fn(grad, hook), run while the gradient passes
         self.index_bound: int | None = None  # for probes of indices (hook_topk_idx): replacements lie in 0..bound-1
+        # For probes the forward computes only to be read (hook_max_logit): the leaf name of the probe beside it to
+        # hook instead. A replacement would change nothing downstream, so returning one raises.
+        self.read_only: str | None = None
 
     @property
     def active(self) -> bool:
@@ -130,11 +148,7 @@ class HookPoint(nn.Module):
         leave the fused kernel, which makes none, so that a gradient hook on them has a tensor to run on)."""
         if self.fns or self.bwd_fns or self._forward_hooks or self._forward_pre_hooks:
             return True
-        if "forward" not in self.__dict__:
-            return False
-        # nnsight keeps its wrapper installed after a trace and records here whether one of its traces is running.
-        nnsight_trace = getattr(self.__dict__.get("__nnsight__"), "active", None)
-        return nnsight_trace()[0] is not None if callable(nnsight_trace) else True
+        return "forward" in self.__dict__ and forward_wrapper_runs(self)  # checked inline: a plain probe calls nothing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for fn in tuple(self.fns):  # a copy: a hook may detach hooks (reset_hooks) while they run
@@ -158,7 +172,13 @@ class HookPoint(nn.Module):
         return grad
 
     def _checked(self, out: object, x: torch.Tensor, kind: str) -> torch.Tensor:
-        """A replacement must be a tensor like the one it replaces (shape, dtype, device); indices must be in range."""
+        """A replacement must be a tensor like the one it replaces (shape, dtype, device), of a probe whose value the
+        forward uses; indices must be in range."""
+        if self.read_only is not None:
+            instead = self.name[: len(self.name) - len(self.name.rpartition(".")[2])] + self.read_only
+            raise ValueError(f"{kind} on {self.name} returned a replacement, but {self.name} is read-only: the forward "
+                             f"computes it only to be read and never uses it, so a replacement would change nothing. "
+                             f"Return None to read it; to change the computation, hook {instead} instead")
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"{kind} on {self.name} returned {type(out).__name__}; expected a tensor "
                              f"{tuple(x.shape)} {x.dtype} (or None to keep it)")
@@ -236,25 +256,60 @@ class HookedModule(nn.Module):
         """
         attached: list[tuple[list[HookFn], HookFn]] = []
         try:
-            for kind, pairs in (("fwd_hooks", fwd_hooks), ("bwd_hooks", bwd_hooks)):
-                for pair in pairs:
-                    if not (isinstance(pair, tuple | list) and len(pair) == 2 and callable(pair[1])):
-                        raise ValueError(f"{kind} takes (selector, fn) pairs with fn(tensor, hook); got {pair!r}")
-                    selector, fn = pair
-                    for name in self.select_hook_names(selector):
-                        point = self._hook_points[name]
-                        fns = point.fns if kind == "fwd_hooks" else point.bwd_fns
-                        fns.append(fn)
-                        attached.append((fns, fn))
+            for selector, fn, dir in hook_triples(fwd_hooks, bwd_hooks):
+                attached += [(fns, fn) for fns in self._attach(selector, fn, dir)]
             yield
         finally:
             for fns, fn in reversed(attached):
                 if any(f is fn for f in fns):  # reset_hooks() inside the block may have removed it already
                     del fns[max(i for i, f in enumerate(fns) if f is fn)]
 
+    def add_hook(self, name: NameFilter, fn: HookFn, dir: Literal["fwd", "bwd"] = "fwd") -> None:
+        """TransformerLens's ``add_hook``: attach ``fn`` to every probe ``name`` selects (a name, substring, predicate
+        or list, as ``select_hook_names`` takes) until ``model.reset_hooks()``. ``dir="fwd"``: ``fn(activation, hook)``
+        at each forward; ``dir="bwd"``: ``fn(grad, hook)`` at each backward. Either may return a replacement."""
+        self._attach(name, fn, dir)
+
+    def _attach(self, selector: NameFilter, fn: HookFn, dir: str) -> list[list[HookFn]]:
+        """Append ``fn`` to the forward (``dir="fwd"``) or backward (``"bwd"``) functions of every selected probe ->
+        the lists it was appended to."""
+        if dir not in ("fwd", "bwd"):
+            raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
+        if not callable(fn):
+            raise ValueError(f"a hook is a function fn(tensor, hook); got {fn!r}")
+        points = [self._hook_points[name] for name in self.select_hook_names(selector)]
+        lists = [point.fns if dir == "fwd" else point.bwd_fns for point in points]
+        for fns in lists:
+            fns.append(fn)
+        return lists
+
+    def run_with_hooks(self, input_ids: torch.Tensor | str | list[str], fwd_hooks: Hooks = (), bwd_hooks: Hooks = (),
+                       reset_hooks_end: bool = True, **forward_kwargs) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """TransformerLens's spelling: ``model(input_ids, **forward_kwargs)`` with the ``(selector, fn)`` pairs of
+        ``fwd_hooks`` and ``bwd_hooks`` attached -> what the forward returns.
+
+        ``reset_hooks_end=True``: the hooks are detached when the forward returns (``with model.hooks(...)``), so
+        backward hooks, which run at a later ``.backward()``, are refused. ``False``: they stay attached, as
+        ``add_hook`` attaches them, so a later ``.backward()`` runs the backward ones, until ``model.reset_hooks()``.
+        """
+        if not isinstance(reset_hooks_end, bool):
+            raise ValueError(f"reset_hooks_end must be True or False, got {reset_hooks_end!r}")
+        triples = hook_triples(fwd_hooks, bwd_hooks)
+        if not reset_hooks_end:
+            for selector, fn, dir in triples:
+                self._attach(selector, fn, dir)
+            return self(input_ids, **forward_kwargs)
+        if any(dir == "bwd" for _, _, dir in triples):
+            raise ValueError("bwd_hooks run during a .backward() after run_with_hooks returns, but "
+                             "reset_hooks_end=True detaches them when it returns: pass reset_hooks_end=False (and call "
+                             "model.reset_hooks() after the backward), or run the backward inside "
+                             "`with model.hooks(bwd_hooks=...)`")
+        with self.hooks(fwd_hooks=[(selector, fn) for selector, fn, _ in triples]):
+            return self(input_ids, **forward_kwargs)
+
     def reset_hooks(self) -> None:
-        """Detach every function from every probe: the way out when an interactive session lost track of its hooks.
-        A ``hooks`` block that is still open exits cleanly afterwards."""
+        """Detach every function from every probe: the way out when an interactive session lost track of its hooks
+        (and the end of ``add_hook``'s). A ``hooks`` block that is still open exits cleanly afterwards."""
         for point in self._hook_points.values():
             point.fns.clear()
             point.bwd_fns.clear()

@@ -10,7 +10,8 @@ Module paths mirror the checkpoint's tensor names without the leading ``model.``
 
 Padded batches: ``attention_mask`` [B, T] (1 = token, 0 = pad) hides pads from every query and gives them no
 position, so a padded row's real positions get the logits of that row run alone (left or right padding; the
-latent cache remembers which cached positions were pads across decode steps).
+latent cache remembers which cached positions were pads across decode steps). Ids given without a mask get the one
+TransformerLens infers: the attached tokenizer's [PAD] tokens at a row's edges are pads (``infer_attention_mask``).
 
 The model holds whatever tokenizer is attached as ``model.tokenizer`` (``k2lab.load`` attaches the checkpoint
 folder's own); then text goes in wherever ids do: ``model("def f(")``, ``model.to_tokens(texts)``.
@@ -97,8 +98,11 @@ class K2Model(HookedModule):
 
     def __init__(self, cfg: K2Config, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating-point torch dtype (torch.float32, torch.bfloat16, "
+                             f"torch.float16) or None for float32; got {dtype!r}")
         self.config = cfg
-        with torch.device(device or "cpu"):
+        with check_device(device):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             self.embed_tokens.hook_out = HookPoint()  # [B, T, D] token embeddings
             self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
@@ -159,8 +163,11 @@ class K2Model(HookedModule):
           t + 1, 0 where excluded);
         - ``"both"``: (logits, loss).
 
-        ``attention_mask`` [B, T]: 1 for a token, 0 for a pad (see the module docstring). With a cache, positions
-        continue from what it holds and the new tokens' latents are appended to it.
+        ``attention_mask`` [B, T]: 1 for a token, 0 for a pad (see the module docstring). Without one, ids are masked
+        as TransformerLens masks them, so that ``model(model.to_tokens(texts))`` gives each row its own logits: the
+        attached tokenizer's [PAD] tokens at a row's left and right edges are pads (``infer_attention_mask``; not at
+        a decode step, whose cache already holds tokens). With a cache, positions continue from what it holds and the
+        new tokens' latents are appended to it.
         """
         if return_type not in ("logits", "loss", "both"):
             raise ValueError(f"return_type must be 'logits', 'loss' or 'both', got {return_type!r}")
@@ -274,7 +281,8 @@ class K2Model(HookedModule):
 
         Text goes through ``model.tokenizer`` (a list is left-padded, with its mask); ids are refused with the reason
         when they are not integer [B, T] ids of this vocabulary, or do not fit the cache or the positions."""
-        if isinstance(input_ids, str | list | tuple) and is_text(input_ids):
+        text = isinstance(input_ids, str | list | tuple) and is_text(input_ids)
+        if text:
             if attention_mask is not None:
                 raise ValueError("attention_mask is made by the tokenizer for text input; pass ids to give your own")
             self.require_tokenizer("text input")
@@ -299,8 +307,9 @@ class K2Model(HookedModule):
             raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
         vocab = self.config.vocab_size
         # Reading the ids back is a sync that torch.compile would break its graph on; compiled callers (the training
-        # run, a compiled decode step) feed ids they sampled from the model's own vocabulary.
-        if not torch.compiler.is_compiling() and ids.device.type != "meta":
+        # run, a compiled decode step) feed ids they sampled from the model's own vocabulary, without pads.
+        readable = not torch.compiler.is_compiling() and ids.device.type != "meta"
+        if readable:
             lo, hi = (bound.item() for bound in torch.aminmax(ids))
             if lo < 0 or hi >= vocab:
                 raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary of {vocab} (valid ids: "
@@ -313,7 +322,33 @@ class K2Model(HookedModule):
                              f"max_position_embeddings={self.config.max_position_embeddings}")
         if attention_mask is not None:
             attention_mask = check_attention_mask(attention_mask, B, T).to(self.embed_tokens.weight.device)
+        elif not text and readable and start == 0 and self.tokenizer is not None:
+            # Ids without a mask: pads at the rows' edges are masked as TransformerLens does. The edges are looked at
+            # here first, so that a batch without pads runs nothing more.
+            pad = self.tokenizer.special_tokens.get("[PAD]")
+            if pad is not None and bool((ids[:, [0, -1]] == pad).any()):
+                attention_mask = self.infer_attention_mask(ids).to(self.embed_tokens.weight.device)
         return ids.to(self.embed_tokens.weight.device), attention_mask
+
+    def infer_attention_mask(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The attention mask of ids [B, T] padded without one (TransformerLens's ``to_tokens`` habit): [B, T] bool,
+        False on the runs of the attached tokenizer's [PAD] id at each row's left and right edges; None when no row
+        has a pad at an edge, or no tokenizer with a [PAD] token is attached. A [PAD] between real tokens stays a
+        token, and EOS is never taken for a pad (it is a real token at a row's end). A row of pads only raises."""
+        pad = self.tokenizer.special_tokens.get("[PAD]") if self.tokenizer is not None else None
+        ids = torch.as_tensor(ids)
+        ids = ids[None] if ids.dim() == 1 else ids
+        if pad is None or ids.numel() == 0 or not bool((ids[:, [0, -1]] == pad).any()):
+            return None
+        is_pad = (ids == pad).int()  # [B, T]
+        left = is_pad.cumprod(-1)  # [B, T] 1 on the run of pads the row starts with
+        right = is_pad.flip(-1).cumprod(-1).flip(-1)  # [B, T] 1 on the run it ends with
+        mask = (left + right) == 0
+        if not mask.any(-1).all():
+            row = int((~mask.any(-1)).nonzero()[0])
+            raise ValueError(f"input_ids row {row} holds only [PAD] tokens (id {pad}): a row needs a token to attend "
+                             f"to; drop the row, or pass attention_mask= to say which of its tokens are real")
+        return mask
 
     def _check_cache(self, cache: LatentCache, batch_size: int) -> None:
         """A cache made by ``new_cache`` of a model of this shape and dtype, for ``batch_size`` rows."""
@@ -338,7 +373,7 @@ def next_token_loss(model: K2Model, x: torch.Tensor, ids: torch.Tensor, attentio
     scored = torch.ones_like(targets, dtype=torch.bool)  # [B, T-1] token and target both real
     if attention_mask is not None:
         scored = attention_mask[:, 1:] & attention_mask[:, :-1]
-        if not torch.compiler.is_compiling() and not scored.any():
+        if not torch.compiler.is_compiling() and scored.device.type != "meta" and not scored.any():
             raise ValueError("no position has both a real token and a real next token (attention_mask)")
     if return_type == "loss" and not per_token and not model.hook_logits.active:  # no logits wanted: never hold them
         last = torch.zeros_like(scored[:, :1])  # the last position predicts nothing
@@ -357,7 +392,7 @@ def head_loss(model: K2Model, x: torch.Tensor, targets: torch.Tensor, scored: to
     runs as ``head`` runs it; a plain head then runs chunk by chunk (``loss.py``: the [B, T, V] logits are never
     held), any other (quantized) through its whole logits."""
     hidden = model.norm.hook_out(model.norm(x.to(model.norm.weight.device)))  # [B, T, D]
-    if scored is not None:
+    if scored is not None and hidden.device.type != "meta":  # (on meta, which positions count is unknown: all do)
         hidden, targets = hidden[scored.to(hidden.device)], targets[scored]  # [N, D], [N]
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if not isinstance(model.lm_head, nn.Linear):
@@ -365,6 +400,23 @@ def head_loss(model: K2Model, x: torch.Tensor, targets: torch.Tensor, scored: to
         return F.cross_entropy(logits, targets.to(logits.device), reduction=reduction)
     weight = model.lm_head.weight
     return head_cross_entropy(hidden.to(weight.device), weight, targets.to(weight.device), reduction)
+
+
+def check_device(device: torch.device | str | int | None) -> torch.device:
+    """A model's ``device=`` (None: the CPU) as a torch.device; one torch cannot read, or this machine lacks, is
+    refused with the devices it has."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    count = torch.accelerator.device_count() if accelerator is not None else 0
+    available = ", ".join(["cpu", "meta", *(f"{accelerator.type}:{i}" for i in range(count))])
+    try:
+        parsed = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a device name such as 'cpu', 'cuda', 'cuda:1' or 'meta'; "
+                         f"got {device!r} (available here: {available})") from None
+    if parsed.type not in ("cpu", "meta") and (accelerator is None or parsed.type != accelerator.type
+                                               or (parsed.index or 0) >= count):
+        raise ValueError(f"device={str(parsed)!r} is not available on this machine (available here: {available})")
+    return parsed
 
 
 def is_text(value: object) -> bool:
@@ -380,6 +432,7 @@ def check_attention_mask(attention_mask: torch.Tensor, B: int, T: int) -> torch.
     if tuple(mask.shape) != (B, T) or mask.is_floating_point() or mask.is_complex():
         raise ValueError(f"attention_mask must be integer or bool [B, T] = {(B, T)} (1 = token, 0 = pad); got "
                          f"{mask.dtype} {tuple(mask.shape)}")
-    if mask.dtype != torch.bool and not torch.compiler.is_compiling() and ((mask != 0) & (mask != 1)).any():
+    readable = not torch.compiler.is_compiling() and mask.device.type != "meta"
+    if mask.dtype != torch.bool and readable and ((mask != 0) & (mask != 1)).any():
         raise ValueError(f"attention_mask holds values other than 0 and 1: {sorted(mask.unique().tolist())[:5]}")
     return mask.bool()
