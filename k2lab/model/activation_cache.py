@@ -7,13 +7,19 @@
     parts = cache.decompose_resid()                 # embedding + attention + MLP (+ shared, routed, slots)
     attr = cache.logit_attribution(token_id)        # the same parts, each projected onto one logit
     cache["resid_post", 3], cache["pattern", -1]    # TransformerLens habits: short names (k2lab.get_act_name)
+    cache["blocks.3.hook_resid_post"]               # ... and TransformerLens's spellings of probe names
     stack, labels = cache.accumulated_resid(return_labels=True)   # [C, B, T, D] the residual after each block
     cache.apply_ln_to_stack(stack) @ model.lm_head.weight.T       # through the final norm (scale frozen): logit lens
+    heads, labels = cache.stack_head_results(pos_slice=-1, return_labels=True)   # [L*H, B, D] each head's write
+    experts = cache.stack_expert_results(3)         # [E, B, T, D] each routed expert's weighted write at layer 3
+    cache.to_dataframe(("topk_idx", 3))             # the router's choice as a table (pandas, the lab extra)
+    cache.save("run/") ; ActivationCache.load("run/", model=model)   # tensors + config; the weights stay out
 
 The residual stream is a sum: every block adds its attention and feed-forward outputs to what came before, so the
 input of the final norm is
 
     x_final = embed + sum_l attn_out[l] + sum_l mlp_out[l]
+    attn_out[l] = sum_h z[l, h] @ W_O[l, h]^T                                               (o_proj has no bias)
     mlp_out[l] = shared[l] + routed[l] = shared[l] + sum_j w[l, j] * expert_out[l, j]     (MoE layers)
 
 and direct logit attribution asks how much each term pushes one logit when it passes straight to the head.
@@ -23,20 +29,37 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import operator
+import os
 import re
+import shutil
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from .hooks import MODEL_PROBES, get_act_name
+from .. import __version__
+from ..config import K2Config
+from .hooks import MODEL_PROBES, canonical_probe_name, get_act_name
 
 if TYPE_CHECKING:
+    import pandas
+
     from .transformer import K2Model
 
 Pos = int | slice | None  # a position selector along T; an int drops the T dimension
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
+
+# cache.save writes a directory holding these two files.
+ACTIVATIONS_FILE = "activations.safetensors"  # every tensor, by probe name
+CACHE_JSON = "cache.json"  # probe order, config, k2lab version
+_CACHE_FORMAT, _CACHE_FORMAT_VERSION = "k2lab.ActivationCache", 1
+TABLE_MAX_WIDTH = 64  # to_dataframe: the largest trailing size it lays out as a table
 
 
 @dataclass
@@ -88,11 +111,7 @@ class ResidDecomposition:
     def by_expert(self, layer: int) -> torch.Tensor:
         """[E, B, T, *]: each expert's contribution at one MoE layer, zero where the token did not choose it."""
         j = self._moe_row(layer)
-        slots, ids = self.expert_slots[j], self.expert_ids[j]  # [B, T, k, *], [B, T, k]
-        one_hot = torch.nn.functional.one_hot(ids, self.num_experts).to(slots.dtype)  # [B, T, k, E]
-        lead = "bt"[: ids.dim() - 1]  # "b" when an int pos dropped T
-        last = "d" if slots.dim() > ids.dim() else ""  # "" once projected onto a logit
-        return torch.einsum(f"{lead}ke,{lead}k{last}->e{lead}{last}", one_hot, slots)
+        return _per_expert(self.expert_slots[j], self.expert_ids[j], self.num_experts)
 
     def _moe_row(self, layer: int) -> int:
         if layer not in self.moe_layers:
@@ -110,16 +129,116 @@ class ResidDecomposition:
 
 
 class ActivationCache(Mapping[str, torch.Tensor]):
-    """Probe name -> recorded tensor (detached), for one forward of ``model``. A read-only mapping.
+    """Probe name -> recorded tensor (detached), for one forward of a model. A read-only mapping.
 
-    Keys are probe names; a ``(short name, layer)`` pair or a model-level short name also works, as in
-    TransformerLens: ``cache["resid_post", 3]``, ``cache["topk_idx", -1]`` (the last layer), ``cache["logits"]``
-    (see ``k2lab.get_act_name``). Gradients from ``run_with_cache(incl_bwd=True)`` are under ``name + "_grad"``.
+    Keys are probe names; TransformerLens's spellings (``cache["blocks.3.attn.hook_z"]``), a ``(short name,
+    layer)`` pair or a model-level short name also work: ``cache["resid_post", 3]``, ``cache["topk_idx", -1]`` (the
+    last layer), ``cache["logits"]`` (see ``k2lab.get_act_name``). Gradients from ``run_with_cache(incl_bwd=True)``
+    are under ``name + "_grad"``.
+
+    The cache holds the model's config (``cache.config``) and the model itself (``cache.model``), whose weights
+    ``logit_lens``, ``logit_attribution``, ``apply_ln_to_stack`` and ``stack_head_results`` read. Pickling
+    (``torch.save(cache)``) and ``cache.save(path)`` keep the tensors and the config only, so a cache costs its
+    tensors' bytes, not the model's; afterwards ``cache.model`` is None until ``cache.attach(model)``.
     """
 
-    def __init__(self, activations: dict[str, torch.Tensor], model: K2Model):
+    def __init__(self, activations: dict[str, torch.Tensor], model: K2Model | None,
+                 config: K2Config | None = None):
+        """``activations``: probe name -> tensor, in firing order. ``config`` defaults to ``model.config``; given both,
+        they must agree (``attach``)."""
+        if config is None:
+            if model is None:
+                raise ValueError("an ActivationCache needs the model it recorded or, without one, its config=")
+            config = model.config
         self._acts = activations
+        self.config: K2Config = config
+        self.model: K2Model | None = None
+        if model is not None:
+            self.attach(model)
+
+    def attach(self, model: K2Model) -> ActivationCache:
+        """Give the cache the model whose weights its weight-reading analyses use (after unpickling or ``load``).
+        The model's config must equal the cache's. Returns the cache."""
+        config = getattr(model, "config", None)
+        if not isinstance(config, K2Config):
+            raise TypeError(f"attach takes the K2Model the cache was recorded from, got {type(model).__name__}")
+        if config != self.config:
+            differ = [f"{f.name}: cache {getattr(self.config, f.name)!r}, model {getattr(config, f.name)!r}"
+                      for f in dataclasses.fields(K2Config) if getattr(self.config, f.name) != getattr(config, f.name)]
+            raise ValueError(f"cannot attach a model whose config differs from the cache's: {'; '.join(differ)}")
         self.model = model
+        return self
+
+    def _attached_model(self, what: str) -> K2Model:
+        if self.model is None:
+            raise RuntimeError(f"{what} reads the model's weights, and this cache has no model attached (a pickled or "
+                               "saved cache keeps its tensors and config only): call cache.attach(model), or "
+                               "ActivationCache.load(path, model=model)")
+        return self.model
+
+    # ---- pickling, devices, files -----------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, object]:
+        """What pickling (and ``torch.save``) keeps: the tensors and the config, not the model."""
+        return {"activations": self._acts, "config": self.config}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self._acts, self.config, self.model = state["activations"], state["config"], None
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ActivationCache:
+        """A new cache with every tensor on ``device``; ``dtype`` casts the floating-point tensors only (topk_idx stays
+        int64). The model stays attached where it is (the analyses move what they need)."""
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype casts the cache's floating-point tensors: give a floating torch.dtype "
+                             f"(torch.bfloat16, torch.float32...) or None, got {dtype!r}")
+        moved = {name: t.to(device, dtype=dtype if t.is_floating_point() else None) for name, t in self._acts.items()}
+        return ActivationCache(moved, self.model, self.config)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the cache to the directory ``path`` -> ``path``: ``activations.safetensors`` (every tensor, on the CPU,
+        dtypes kept) and ``cache.json`` (the probe order, the config, the k2lab version). No weights are written.
+
+        The directory is made beside ``path`` under a temporary name and renamed into place, so a save that fails
+        leaves nothing half-written. A cache saved earlier at ``path`` is replaced; any other existing file, or a
+        non-empty directory that is not a saved cache, is refused."""
+        from safetensors.torch import save_file  # here: ``import k2lab.model`` reads no files
+
+        path = Path(os.path.abspath(path))
+        if path.exists() and not _is_saved_cache(path) and not (path.is_dir() and not any(path.iterdir())):
+            raise FileExistsError(f"cache.save: {str(path)!r} exists and is not a saved ActivationCache (a directory "
+                                  f"with {CACHE_JSON} and {ACTIVATIONS_FILE}); choose a new path or remove it")
+        meta = {"format": _CACHE_FORMAT, "format_version": _CACHE_FORMAT_VERSION, "k2lab_version": __version__,
+                "probes": list(self._acts), "config": dataclasses.asdict(self.config)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.partial")
+        staging.mkdir()
+        try:
+            save_file(_unshared(self._acts), str(staging / ACTIVATIONS_FILE))
+            (staging / CACHE_JSON).write_text(json.dumps(meta, indent=1) + "\n")
+            _move_into_place(staging, path)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: K2Model | None = None,
+             device: torch.device | str = "cpu") -> ActivationCache:
+        """A cache written by ``cache.save(path)``, its tensors on ``device``, in the saved probe order. With
+        ``model`` (whose config must match the saved one) the weight-reading analyses work; else attach one later."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        meta = _read_cache_json(path)
+        tensors = load_file(str(path / ACTIVATIONS_FILE), device=str(torch.device(device)))
+        if sorted(tensors) != sorted(meta["probes"]):
+            raise ValueError(f"{str(path)!r}: {ACTIVATIONS_FILE} holds {len(tensors)} tensors that are not the "
+                             f"{len(meta['probes'])} probes {CACHE_JSON} lists; the directory was changed after saving")
+        try:
+            config = K2Config(**meta["config"])
+        except TypeError as err:
+            raise ValueError(f"{str(path / CACHE_JSON)!r}: its config does not fit this k2lab's K2Config ({err}); it "
+                             f"was written by k2lab {meta.get('k2lab_version')}") from err
+        return cls({name: tensors[name] for name in meta["probes"]}, model, config)
 
     # ---- the mapping -------------------------------------------------------------------------------------------------
     def __getitem__(self, name: str | tuple[str, int]) -> torch.Tensor:
@@ -136,16 +255,20 @@ class ActivationCache(Mapping[str, torch.Tensor]):
             return False
 
     def _name(self, key: str | tuple[str, int]) -> str:
-        """A probe name from a name, a short model-level name, or a (short name, layer) pair (layer may be < 0)."""
+        """A probe name from a name (k2lab's or TransformerLens's spelling), a short model-level name, or a (short
+        name, layer) pair (layer may be < 0)."""
         if isinstance(key, tuple):
             if len(key) != 2 or not isinstance(key[1], int):
                 raise KeyError(f"a cache key is a probe name or a (short name, layer) pair, got {key!r}")
             short, layer = key
-            L = len(self.model.layers)
+            L = self.config.num_hidden_layers
             if not -L <= layer < L:
                 raise KeyError(f"layer {layer} out of range for {L} layers")
             return get_act_name(short, layer % L)
-        if isinstance(key, str) and key not in self._acts and key in MODEL_PROBES:
+        if not isinstance(key, str):
+            raise KeyError(f"a cache key is a probe name or a (short name, layer) pair, got {key!r}")
+        key = canonical_probe_name(key)
+        if key not in self._acts and key in MODEL_PROBES:
             return MODEL_PROBES[key]
         return key
 
@@ -159,6 +282,43 @@ class ActivationCache(Mapping[str, torch.Tensor]):
         width = max((len(n) for n in self._acts), default=0)
         lines = [f"  {n:<{width}}  {list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for n, t in self.items()]
         return "\n".join([f"ActivationCache({len(self)} probes)", *lines])
+
+    def to_dataframe(self, name: str | tuple[str, int]) -> pandas.DataFrame:
+        """A probe as a pandas table (pandas comes with ``pip install k2lab[lab]``), for the probes that read as one:
+
+        - the router's choice, ``...mlp.gate.hook_topk_idx`` or ``hook_topk_weights`` (both are read): one row per
+          (batch, position, slot), columns ``batch, position, slot, expert, weight``;
+        - ``self_attn.hook_max_logit`` [B, H] (any [B, n] probe): one row per (batch, head), ``batch, head, value``;
+        - any other [B, T, n] probe with n <= 64 (a small model's router scores, ``k_pe``...): one row per (batch,
+          position), columns ``batch, position`` and one per value, ``expert_{e}`` for the router's [B, T, E]
+          probes, ``index_{i}`` for others.
+
+        Bigger probes raise: read them as tensors, ``cache[name]`` or ``cache.stack(suffix)``."""
+        try:
+            import pandas as pd
+        except ImportError as err:
+            raise ImportError("cache.to_dataframe needs pandas, which k2lab's lab extra brings: "
+                              "pip install k2lab[lab] (or pip install pandas)") from err
+        name = self._name(name)
+        tensor = self[name]
+        gate = re.fullmatch(r"(.*\.gate\.)hook_topk_(idx|weights)", name)
+        if gate:
+            idx_name, weights_name = gate[1] + "hook_topk_idx", gate[1] + "hook_topk_weights"
+            self._require("to_dataframe of the router's choice", [idx_name, weights_name])
+            ids, weights = self[idx_name], self[weights_name]  # [B, T, k] each
+            return pd.DataFrame({**_index_columns(ids.shape, ("batch", "position", "slot")),
+                                 "expert": _numpy(ids.flatten()), "weight": _numpy(weights.flatten())})
+        if tensor.dim() not in (2, 3) or tensor.shape[-1] > TABLE_MAX_WIDTH:
+            raise ValueError(f"{name} is {list(tensor.shape)}, too big for a table: to_dataframe lays out [B, T, n] "
+                             f"and [B, n] probes with n <= {TABLE_MAX_WIDTH}, and the router's topk_idx/topk_weights; "
+                             f"read it as a tensor: cache[{name!r}], or cache.stack(suffix) across layers")
+        axis = ("head" if name.endswith("self_attn.hook_max_logit")
+                else "expert" if re.search(r"\.gate\.hook_(logits|scores|choice_scores)$", name) else "index")
+        if tensor.dim() == 2:  # [B, n]: one row per value
+            return pd.DataFrame({**_index_columns(tensor.shape, ("batch", axis)), "value": _numpy(tensor.flatten())})
+        values = _numpy(tensor.flatten(0, 1))  # [B*T, n]
+        columns = {f"{axis}_{i}": values[:, i] for i in range(tensor.shape[-1])}
+        return pd.DataFrame({**_index_columns(tensor.shape[:2], ("batch", "position")), **columns})
 
     # ---- per-layer stacks --------------------------------------------------------------------------------------------
     def layer_indices(self, suffix: str) -> list[int]:
@@ -190,6 +350,9 @@ class ActivationCache(Mapping[str, torch.Tensor]):
             raise KeyError(f"suffix {suffix!r} matches several probes per layer: {ambiguous[0]}; give more of the path")
         return [(layer, names[0]) for layer, names in sorted(per_layer.items())]
 
+    def _moe_layers(self) -> list[int]:
+        return [i for i in range(self.config.num_hidden_layers) if self.config.is_moe_layer(i)]
+
     # ---- reading the residual stream ---------------------------------------------------------------------------------
     @torch.no_grad()
     def logit_lens(self, pos: Pos = None) -> torch.Tensor:
@@ -200,8 +363,10 @@ class ActivationCache(Mapping[str, torch.Tensor]):
         on its own, so peak memory is one layer's logits on top of the result; pick ``pos`` (e.g. -1) for long
         prompts and big vocabularies.
         """
-        self._require("logit_lens", [f"layers.{i}.hook_resid_post" for i in range(len(self.model.layers))])
-        model = self.model
+        model = self._attached_model("logit_lens")
+        names = [f"layers.{i}.hook_resid_post" for i in range(self.config.num_hidden_layers)]
+        self._require("logit_lens", names)
+        pos = _positions(self[names[0]].shape[1], pos)
         lens = []
         for resid in self.stack("hook_resid_post"):  # [B, T, D], where the cache holds it
             x = _at(resid, pos).to(model.norm.weight.device, model.dtype)
@@ -209,11 +374,16 @@ class ActivationCache(Mapping[str, torch.Tensor]):
             lens.append(logits.to(resid.device))  # back where the cache is (a cache gathered to the CPU: the CPU)
         return torch.stack(lens)
 
-    def decompose_resid(self, pos: Pos = None) -> ResidDecomposition:
+    def decompose_resid(self, pos: Pos = None, *, pos_slice: Pos = None, return_labels: bool = False
+                        ) -> ResidDecomposition | tuple[torch.Tensor, list[str]]:
         """The final residual as a sum of embedding, per-layer attention and MLP outputs, MoE layers further split
-        into shared, routed and per-slot expert contributions (weight * expert output). See ResidDecomposition."""
-        cfg, L = self.model.config, len(self.model.layers)
-        moe_layers = [i for i in range(L) if cfg.is_moe_layer(i)]
+        into shared, routed and per-slot expert contributions (weight * expert output). See ResidDecomposition.
+
+        ``return_labels=True`` returns TransformerLens's pair instead: ``(stack [C, B, T, D], labels)``, the rows of
+        ``ResidDecomposition.components()`` (``embed``, ``L0.attn``, ``L0.mlp``, ...), which sum to the final residual.
+        ``pos_slice`` is TransformerLens's spelling of ``pos``. Needs the config only, not the weights."""
+        cfg, L = self.config, self.config.num_hidden_layers
+        moe_layers = self._moe_layers()
         moe = [f"layers.{i}.mlp" for i in moe_layers]
         has_shared = cfg.n_shared_experts > 0
         needed = ["embed_tokens.hook_out", f"layers.{L - 1}.hook_resid_post"]
@@ -222,6 +392,7 @@ class ActivationCache(Mapping[str, torch.Tensor]):
             needed += [f"{m}.{s}" for s in ("hook_expert_out", "hook_routed_out", "gate.hook_topk_idx",
                                              "gate.hook_topk_weights", *(["hook_shared_out"] if has_shared else []))]
         self._require("decompose_resid", needed)
+        pos = _positions(self["embed_tokens.hook_out"].shape[1], pos, pos_slice)
 
         def per_moe_layer(leaf: str) -> torch.Tensor:  # [L_moe, B, T, ...] at pos (empty for a dense-only model)
             parts = [self[f"{m}.{leaf}"] for m in moe]
@@ -230,7 +401,7 @@ class ActivationCache(Mapping[str, torch.Tensor]):
                 parts = [out * w for out, w in zip(parts, weights, strict=True)]
             return _at(torch.stack(parts), pos, lead=1) if parts else self["embed_tokens.hook_out"].new_zeros((0,))
 
-        return ResidDecomposition(
+        parts = ResidDecomposition(
             embed=_at(self["embed_tokens.hook_out"], pos),
             attn=_at(self.stack("hook_attn_out"), pos, lead=1),
             mlp=_at(self.stack("hook_mlp_out"), pos, lead=1),
@@ -242,6 +413,10 @@ class ActivationCache(Mapping[str, torch.Tensor]):
             num_experts=cfg.n_routed_experts,
             residual=_at(self[f"layers.{L - 1}.hook_resid_post"], pos),
         )
+        if return_labels:
+            labels, stack = parts.components()
+            return stack, labels
+        return parts
 
     @torch.no_grad()
     def logit_attribution(self, target: int | torch.Tensor, pos: Pos = None) -> ResidDecomposition:
@@ -259,12 +434,20 @@ class ActivationCache(Mapping[str, torch.Tensor]):
         (TransformerLens's ``apply_ln_to_stack`` does the same with LayerNorm; RMSNorm has no centring). The
         frozen scale is the linearisation: a term's contribution is not the logit change from removing it.
         """
+        model = self._attached_model("logit_attribution")
+        head = model.lm_head.weight
+        is_token_id = isinstance(target, int) or not target.is_floating_point()
+        if is_token_id:
+            target = torch.as_tensor(target, device=head.device)
+            V = self.config.vocab_size
+            outside = (target < 0) | (target >= V)
+            if outside.any():
+                raise IndexError(f"target token id {target[outside].flatten()[0].item()} is outside the vocabulary: "
+                                 f"token ids lie in 0..{V - 1}")
         parts = self.decompose_resid(pos)
         x = parts.residual.float()  # [B, (T,) D]
-        head = self.model.lm_head.weight
-        scale = self._frozen_norm_scale(pos)  # [B, (T,) D]
-        if isinstance(target, int) or not target.is_floating_point():
-            target = torch.as_tensor(target, device=head.device)
+        scale = self._frozen_norm_scale(model, pos)  # [B, (T,) D]
+        if is_token_id:
             if target.dim() == 1 and x.dim() == 3:
                 target = target[:, None]  # one token per batch row, at every position
             direction = head[target]  # [..., D]
@@ -285,14 +468,14 @@ class ActivationCache(Mapping[str, torch.Tensor]):
 
     # ---- TransformerLens's residual-stream helpers -------------------------------------------------------------------
     def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False, pos: Pos = None,
-                          apply_ln: bool = False, return_labels: bool = False
+                          apply_ln: bool = False, return_labels: bool = False, *, pos_slice: Pos = None
                           ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
         """[C, B, T, D]: the residual stream as it stood before each block, up to ``layer``, as TransformerLens
         stacks it: ``resid_pre`` of layers 0..layer (``"{l}_pre"``), with ``incl_mid`` also each ``resid_mid`` before
         ``layer`` (``"{l}_mid"``); ``layer=None`` (or the number of layers) ends with the final residual
-        (``"final_post"``, the final norm's input). ``pos`` selects positions; ``apply_ln`` passes the stack through
-        ``apply_ln_to_stack``; ``return_labels`` also returns the labels."""
-        L = len(self.model.layers)
+        (``"final_post"``, the final norm's input). ``pos`` (or TransformerLens's ``pos_slice``) selects positions;
+        ``apply_ln`` passes the stack through ``apply_ln_to_stack``; ``return_labels`` also returns the labels."""
+        L = self.config.num_hidden_layers
         layer = L if layer is None else layer
         if not 0 <= layer <= L:
             raise ValueError(f"layer must lie in 0..{L} (or None for all), got {layer}")
@@ -308,31 +491,90 @@ class ActivationCache(Mapping[str, torch.Tensor]):
                 labels.append(f"{i}_mid")
                 names.append(f"layers.{i}.hook_resid_mid")
         self._require("accumulated_resid", names)
+        pos = _positions(self[names[0]].shape[1], pos, pos_slice)
         stack = torch.stack([_at(self[n].to(self[names[0]].device), pos) for n in names])  # [C, B, (T,) D]
         if apply_ln:
             stack = self.apply_ln_to_stack(stack, pos=pos)
         return (stack, labels) if return_labels else stack
 
-    def apply_ln_to_stack(self, stack: torch.Tensor, pos: Pos = None) -> torch.Tensor:
+    def apply_ln_to_stack(self, stack: torch.Tensor, pos: Pos = None, *, pos_slice: Pos = None) -> torch.Tensor:
         """[..., B, (T,) D] float32: each row of ``stack`` scaled as the final norm scales the final residual x,
 
             row -> g * row / rms(x),       rms(x) = sqrt(mean(x^2) + eps)   (frozen at x, as TransformerLens does)
 
         so rows that sum to x come out summing to the final norm's output, and ``@ model.lm_head.weight.T`` turns
-        each into its direct contribution to the logits. ``pos`` must be what selected the stack's positions."""
-        L = len(self.model.layers)
-        self._require("apply_ln_to_stack", [f"layers.{L - 1}.hook_resid_post"])
-        scale = self._frozen_norm_scale(pos)  # [B, (T,) D]
+        each into its direct contribution to the logits. ``pos`` (or ``pos_slice``) must be what selected the stack's
+        positions."""
+        model = self._attached_model("apply_ln_to_stack")
+        final = f"layers.{self.config.num_hidden_layers - 1}.hook_resid_post"
+        self._require("apply_ln_to_stack", [final])
+        pos = _positions(self[final].shape[1], pos, pos_slice)
+        scale = self._frozen_norm_scale(model, pos)  # [B, (T,) D]
         if tuple(stack.shape[stack.dim() - scale.dim() :]) != tuple(scale.shape):
             raise ValueError(f"a stack of shape {tuple(stack.shape)} does not end with the final residual's "
                              f"{tuple(scale.shape)} at pos={pos!r}; pass the pos the stack was made with")
         return stack.float() * scale.to(stack.device)
 
-    def _frozen_norm_scale(self, pos: Pos) -> torch.Tensor:
+    @torch.no_grad()
+    def stack_head_results(self, layer: int | None = -1, *, pos_slice: Pos = None, pos: Pos = None,
+                           return_labels: bool = False, apply_ln: bool = False
+                           ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
+        """[L'*H, B, T, D] float32: each attention head's write to the residual, as TransformerLens stacks it. Row
+        l*H + h (label ``"L{l}H{h}"``) is head h of layer l through o_proj:
+
+            result[l, h] = z[..., h, :] @ W_O[:, h*V:(h+1)*V]^T      z = self_attn.hook_z [B, T, H, V], W_O [D, H*V]
+
+        so a layer's H rows sum to its ``hook_attn_out`` (o_proj has no bias). ``layer``: the heads of the layers
+        strictly before it (1..L); -1 or None, of every layer. ``pos_slice`` (or ``pos``) selects positions;
+        ``apply_ln`` passes the stack through ``apply_ln_to_stack``. An o_proj whose weight is not a plain float
+        matrix (a quantized module) is run once per head, on z with the other heads zeroed (it is linear)."""
+        model = self._attached_model("stack_head_results")
+        L, H = self.config.num_hidden_layers, self.config.num_attention_heads
+        if layer is None or layer == -1:
+            layer = L
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer <= L:
+            raise ValueError(f"layer must be in 1..{L} (the heads of the layers before it), or -1 or None for every "
+                             f"layer; got {layer!r}")
+        names = [f"layers.{i}.self_attn.hook_z" for i in range(layer)]
+        self._require("stack_head_results", names)
+        pos = _positions(self[names[0]].shape[1], pos, pos_slice)
+        device = self[names[0]].device
+        per_layer = [_head_results(_at(self[name], pos), model.layers[i].self_attn.o_proj, model.dtype).to(device)
+                     for i, name in enumerate(names)]  # each [H, B, (T,) D]
+        stack = torch.cat(per_layer)  # [layer * H, B, (T,) D]
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, pos=pos)
+        labels = [f"L{i}H{h}" for i in range(layer) for h in range(H)]
+        return (stack, labels) if return_labels else stack
+
+    def stack_expert_results(self, layer: int, *, pos_slice: Pos = None, pos: Pos = None,
+                             return_labels: bool = False) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
+        """[E, B, T, D]: each routed expert's weighted write at MoE layer ``layer`` (label ``"L{l}E{e}"``),
+        w * expert_e(x) where the token chose expert e and zero where it did not. The rows sum to the layer's
+        ``hook_routed_out``, and with ``hook_shared_out`` to its ``hook_mlp_out``. ``layer`` may count from the end
+        (-1); ``pos_slice`` (or ``pos``) selects positions. Needs the config only, not the weights."""
+        L = self.config.num_hidden_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not -L <= layer < L:
+            raise ValueError(f"layer must be an int in {-L}..{L - 1}, got {layer!r}")
+        layer %= L
+        if not self.config.is_moe_layer(layer):
+            raise ValueError(f"layer {layer} is a dense layer, with no routed experts; MoE layers: "
+                             f"{self._moe_layers()}")
+        names = [f"layers.{layer}.mlp.{leaf}" for leaf in ("hook_expert_out", "gate.hook_topk_idx",
+                                                             "gate.hook_topk_weights")]
+        self._require("stack_expert_results", names)
+        expert_out, ids, weights = (self[name] for name in names)  # [B, T, k, D], [B, T, k], [B, T, k]
+        pos = _positions(ids.shape[1], pos, pos_slice)
+        slots = _at(expert_out * weights[..., None], pos)  # [B, (T,) k, D], as decompose_resid weighs them
+        stack = _per_expert(slots, _at(ids, pos), self.config.n_routed_experts)  # [E, B, (T,) D]
+        labels = [f"L{layer}E{e}" for e in range(self.config.n_routed_experts)]
+        return (stack, labels) if return_labels else stack
+
+    def _frozen_norm_scale(self, model: K2Model, pos: Pos) -> torch.Tensor:
         """[B, (T,) D] float32 g / rms(x) at the final residual x: the final RMSNorm with its rms frozen, the one
         linear map that both ``logit_attribution`` and ``apply_ln_to_stack`` apply to residual terms."""
-        x = _at(self[f"layers.{len(self.model.layers) - 1}.hook_resid_post"], pos).float()  # [B, (T,) D]
-        norm = self.model.norm
+        x = _at(self[f"layers.{self.config.num_hidden_layers - 1}.hook_resid_post"], pos).float()  # [B, (T,) D]
+        norm = model.norm
         inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)  # [B, (T,) 1]
         return norm.weight.to(x.device, torch.float32) * inv_rms
 
@@ -343,6 +585,124 @@ class ActivationCache(Mapping[str, torch.Tensor]):
                            "record them with run_with_cache(ids) (all probes) or include them in names=")
 
 
+def _positions(length: int, pos: Pos, pos_slice: Pos = None) -> Pos:
+    """The position selector given as ``pos`` or as ``pos_slice`` (TransformerLens's spelling), checked against the
+    cache's ``length`` positions: None (all), a slice, or an int in -length..length-1 (which drops T)."""
+    if pos is not None and pos_slice is not None:
+        raise ValueError(f"give pos= or pos_slice= (two spellings of one position selector), not both: got "
+                         f"pos={pos!r}, pos_slice={pos_slice!r}")
+    argument, value = ("pos_slice", pos_slice) if pos_slice is not None else ("pos", pos)
+    if value is None or isinstance(value, slice):
+        return value
+    try:
+        index = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        index = None
+    if index is None:
+        raise TypeError(f"{argument} selects positions: give an int, a slice or None, got {value!r}")
+    if not -length <= index < length:
+        raise IndexError(f"{argument}={index} is outside the {length} positions of this cache: give an int in "
+                         f"{-length}..{length - 1}, a slice, or None")
+    return index
+
+
 def _at(t: torch.Tensor, pos: Pos, lead: int = 0) -> torch.Tensor:
-    """Select positions along T of a [lead..., B, T, ...] tensor."""
+    """Select positions along T of a [lead..., B, T, ...] tensor (``pos`` checked by ``_positions``)."""
     return t if pos is None else t[(slice(None),) * (lead + 1) + (pos,)]
+
+
+def _per_expert(slots: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Per-slot contributions gathered by expert: slots [B, (T,) k, (D)] filled by experts ids [B, (T,) k] ->
+    [E, B, (T,) (D)], zero where a token did not choose the expert."""
+    one_hot = torch.nn.functional.one_hot(ids, num_experts).to(slots.dtype)  # [B, (T,) k, E]
+    lead = "bt"[: ids.dim() - 1]  # "b" when an int pos dropped T
+    last = "d" if slots.dim() > ids.dim() else ""  # "" once projected onto a logit
+    return torch.einsum(f"{lead}ke,{lead}k{last}->e{lead}{last}", one_hot, slots)
+
+
+def _head_results(z: torch.Tensor, o_proj: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """z [B, (T,) H, V] -> [H, B, (T,) D] float32 on z's device: each head's share of ``o_proj(z.flatten(-2))``.
+
+    A plain Linear: its weight [D, H*V] viewed as [D, H, V], one product per head. Any other o_proj (a quantized
+    module, whose stored tensors are not the matrix): the module itself on z with every other head zeroed, in the
+    model's ``dtype``; o_proj is linear without a bias, so those H outputs sum to o_proj(z)."""
+    H, V = z.shape[-2:]
+    if isinstance(o_proj, nn.Linear) and o_proj.weight.is_floating_point():
+        per_head = o_proj.weight.detach().to(z.device, torch.float32).unflatten(1, (H, V))  # [D, H, V]
+        return torch.einsum("...hv,dhv->h...d", z.float(), per_head)
+    device = next((t.device for t in (*o_proj.parameters(), *o_proj.buffers())), z.device)
+    heads = []
+    for h in range(H):
+        alone = torch.zeros(z.shape, dtype=dtype, device=device)  # [B, (T,) H, V]
+        alone[..., h, :] = z[..., h, :]
+        heads.append(o_proj(alone.flatten(-2)).float().to(z.device))  # [B, (T,) D]
+    return torch.stack(heads)
+
+
+def _index_columns(shape: torch.Size | tuple[int, ...], names: tuple[str, ...]) -> dict[str, object]:
+    """name -> the flattened index along that dimension of a tensor of ``shape`` (row-major, as ``flatten`` orders)."""
+    grids = torch.meshgrid(*(torch.arange(n) for n in shape), indexing="ij")
+    return {name: grid.flatten().numpy() for name, grid in zip(names, grids, strict=True)}
+
+
+def _numpy(t: torch.Tensor) -> object:
+    """A tensor as a NumPy array on the CPU (bfloat16, which NumPy lacks, as float32)."""
+    return (t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy()
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors on the CPU, contiguous, each with a storage of its own: safetensors refuses tensors sharing memory,
+    and a cache shares it where one probe is the same tensor as another (layer 0's resid_pre is the embedding) or a
+    view of the same buffer (q_nope and q_pe)."""
+    seen, out = set(), {}
+    for name, t in tensors.items():
+        t = t.detach().to("cpu")
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() in seen:
+            t = t.clone(memory_format=torch.contiguous_format)
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def _read_cache_json(path: Path) -> dict:
+    """The metadata of the cache saved at ``path``; raises, naming the path, where there is none."""
+    file = path / CACHE_JSON
+    if not file.is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a saved ActivationCache: it has no {CACHE_JSON} "
+                                "(cache.save(path) writes one)")
+    try:
+        meta = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{str(file)!r} is not valid JSON: {err}") from err
+    if not isinstance(meta, dict) or meta.get("format") != _CACHE_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{str(file)!r} does not describe an ActivationCache (format {found!r}, expected "
+                         f"{_CACHE_FORMAT!r})")
+    if meta.get("format_version") != _CACHE_FORMAT_VERSION:
+        raise ValueError(f"{str(file)!r} has format_version {meta.get('format_version')!r}; this k2lab reads "
+                         f"version {_CACHE_FORMAT_VERSION}")
+    return meta
+
+
+def _is_saved_cache(path: Path) -> bool:
+    try:
+        _read_cache_json(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _move_into_place(staging: Path, path: Path) -> None:
+    """Rename the finished directory ``staging`` to ``path``; what was at ``path`` (a saved cache, an empty directory)
+    is set aside first and deleted only once the new one is in place, or put back if the rename fails."""
+    retired = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.old") if path.exists() else None
+    if retired is not None:
+        os.rename(path, retired)
+    try:
+        os.rename(staging, path)
+    except BaseException:
+        if retired is not None:
+            os.rename(retired, path)
+        raise
+    if retired is not None:
+        shutil.rmtree(retired)
