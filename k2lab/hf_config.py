@@ -82,14 +82,21 @@ def read_hf_json(source: str | Path | dict) -> tuple[dict[str, Any], str]:
     in errors: its path, or ``"config"``."""
     if isinstance(source, dict):
         return dict(source), "config"
+    if not isinstance(source, str | Path):
+        raise TypeError(f"source must be a path to config.json (or its folder) or the parsed dict, got "
+                        f"{type(source).__name__} {source!r:.60}")
     path = Path(source)
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
     try:
-        return json.loads(path.read_text()), str(path)
+        raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object ({{\"hidden_size\": ..., ...}}), got "
+                         f"{type(raw).__name__} {raw!r:.60}")
+    return raw, str(path)
 
 
 def config_to_hf(cfg: K2Config, quantization_config: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -186,9 +193,12 @@ def _family_defaults(model_type: str) -> dict[str, Any]:
 
 def _rope_from_hf(raw: dict, where: str) -> dict[str, Any]:
     """RoPE settings from ``rope_parameters`` (HF 5) or ``rope_scaling`` + ``rope_theta`` (the release)."""
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    merged = {**scaling, **params}
+    for key in ("rope_parameters", "rope_scaling"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise ValueError(f"{where}: {key} must be an object such as {{\"type\": \"yarn\", \"factor\": 32.0, "
+                             f"\"original_max_position_embeddings\": 4096, ...}}, or null for plain RoPE; got "
+                             f"{raw[key]!r:.60}")
+    merged = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
     theta = merged.get("rope_theta", raw.get("rope_theta", 10_000.0))
     kind = merged.get("rope_type", merged.get("type", "default"))
     if kind in ("default", None):

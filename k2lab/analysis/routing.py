@@ -23,16 +23,19 @@ tokens whose set holds expert e (so sum_e c_e = N k).
     router_entropy(tr)                         # [L_moe, B, T]
 
 Padded batches: ``trace(model, ids, attention_mask=mask)`` keeps the mask (``tr.token_mask`` [B, T]) and every metric
-counts real tokens only. Pooling and comparing text domains:
+counts real tokens only. Pooling and comparing text domains, splitting by token class, and a table for pandas:
 
-    tr_code = RoutingTrace.concat([trace(model, batch) for batch in code_batches])   # lengths may differ
+    tr_code = trace_dataset(model, code_texts, batch_size=8)   # or RoutingTrace.concat of per-batch traces
     c = contrast(tr_code, tr_prose)            # per layer and expert: token and weight shares, ratios, bootstrap CIs
+    digits = tr_code.select(torch.isin(tr_code.token_ids, digit_ids))   # the same trace, digit tokens only
+    df = tr_code.to_dataframe()                # one row per (sequence, position, layer, slot)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -40,8 +43,12 @@ import torch
 
 from ..model.moe import allowed_experts, group_best  # noqa: F401 - the router's own rule, re-exported
 from ..model.transformer import K2Model
+from .datasets import batches
 
 if TYPE_CHECKING:
+    import pandas
+
+    from ..config import K2Config
     from ..model.activation_cache import ActivationCache
 
 _GATE_PROBES = ("hook_scores", "hook_choice_scores", "hook_topk_idx", "hook_topk_weights")
@@ -56,9 +63,10 @@ def select_experts(choice: torch.Tensor, top_k: int, n_group: int = 1, topk_grou
     return choice.topk(top_k, dim=-1).indices
 
 
-def moe_layers(model: K2Model) -> list[int]:
-    """Indices of the model's MoE layers (dense ones come first in K2: layer 0)."""
-    layers = [i for i in range(len(model.layers)) if model.config.is_moe_layer(i)]
+def moe_layers(model: K2Model | K2Config) -> list[int]:
+    """Indices of the MoE layers of a model or config (dense ones come first in K2: layer 0)."""
+    cfg, L = (model.config, len(model.layers)) if isinstance(model, K2Model) else (model, model.num_hidden_layers)
+    layers = [i for i in range(L) if cfg.is_moe_layer(i)]
     if not layers:
         raise ValueError("this model has no MoE layer (first_k_dense_replace >= num_hidden_layers)")
     return layers
@@ -70,6 +78,8 @@ class RoutingTrace:
 
     ``unbiased_indices`` is what the router would choose with a zero correction bias (the same rule, groups
     included, on the plain scores); ``bias_flips`` marks tokens whose chosen SET differs from it (order ignored).
+    ``token_mask`` says which positions count (real tokens, narrowed further by ``select``); ``token_ids`` are the
+    ids that were routed, when the trace was made from ids or text (``trace``), for tables and selections by token.
     """
 
     layers: list[int]
@@ -80,6 +90,7 @@ class RoutingTrace:
     unbiased_indices: torch.Tensor  # [L_moe, B, T, k] the top-k of the scores without the bias
     bias_flips: torch.Tensor  # [L_moe, B, T] bool
     token_mask: torch.Tensor | None = None  # [B, T] bool: real tokens (False at pads); None: all real
+    token_ids: torch.Tensor | None = None  # [B, T] int64 the routed ids (pads' ids included); None: not known
 
     @property
     def flip_counts(self) -> torch.Tensor:
@@ -95,7 +106,8 @@ class RoutingTrace:
     @classmethod
     def concat(cls, traces: Sequence[RoutingTrace]) -> RoutingTrace:
         """One trace of all the sequences of ``traces`` (batches of one model), stacked along B. Shorter traces are
-        padded at the end of T, and ``token_mask`` marks those pads, so lengths may differ."""
+        padded at the end of T, and ``token_mask`` marks those pads, so lengths may differ. ``token_ids`` are joined
+        when every trace has them."""
         traces = list(traces)
         if not traces:
             raise ValueError("concat needs at least one trace")
@@ -113,7 +125,74 @@ class RoutingTrace:
         joined = {f: torch.cat([padded(t, f) for t in traces], dim=1) for f in fields}
         masks = [torch.nn.functional.pad(t.real_tokens().to(device), [0, T - t.indices.shape[2]]) for t in traces]
         same = all(t.token_mask is None and t.indices.shape[2] == T for t in traces)
-        return cls(list(traces[0].layers), **joined, token_mask=None if same else torch.cat(masks))
+        ids = None  # [B_total, T] only when every trace knows its ids
+        if all(t.token_ids is not None for t in traces):
+            ids = torch.cat([torch.nn.functional.pad(t.token_ids.to(device), [0, T - t.indices.shape[2]])
+                             for t in traces])
+        return cls(list(traces[0].layers), **joined, token_mask=None if same else torch.cat(masks), token_ids=ids)
+
+    def select(self, token_mask: torch.Tensor) -> RoutingTrace:
+        """The sub-trace of the tokens ``token_mask`` picks: bool (or 0/1) [B, T], aligned with this trace's
+        positions (``tr.token_ids``, ``tr.real_tokens()``), on any device. Pads stay out whatever it says.
+
+        The tensors are shared, not copied: the result keeps every sequence and position and narrows
+        ``token_mask`` to the picked real tokens, so its metrics, ``concat``, ``contrast`` and ``to_dataframe`` see
+        those tokens only, and sequence indices still name the same texts (a sequence with no picked token stays,
+        empty). Splitting by token class:
+
+            digits = torch.isin(tr.token_ids, digit_ids)            # [B, T]
+            contrast(tr.select(digits), tr.select(~digits))
+        """
+        real = self.real_tokens()  # [B, T]
+        picked = torch.as_tensor(token_mask)
+        if tuple(picked.shape) != tuple(real.shape) or picked.is_floating_point() or picked.is_complex():
+            raise ValueError(f"token_mask must be bool or 0/1 [B, T] = {list(real.shape)}, aligned with the trace's "
+                             f"positions; got {picked.dtype} {list(picked.shape)}")
+        if picked.dtype != torch.bool and ((picked != 0) & (picked != 1)).any():
+            raise ValueError(f"token_mask holds values other than 0 and 1: {sorted(picked.unique().tolist())[:5]}")
+        narrowed = real & picked.bool().to(real.device)  # [B, T]
+        if not narrowed.any():
+            raise ValueError(f"token_mask picks none of the trace's {int(real.sum())} real tokens: the sub-trace "
+                             "would be empty")
+        return dataclasses.replace(self, token_mask=narrowed)
+
+    def to_dataframe(self) -> pandas.DataFrame:
+        """The trace as a long table, one row per (sequence, position, layer, slot) of every counted token (pads and
+        tokens left out by ``select`` excluded), in that order. Columns:
+
+        - ``sequence``, ``position``: the row and column of the trace's [B, T]; the position is the token's index in
+          its text when rows are unpadded or padded on the right (``trace_dataset``), and counts the pads before it
+          in a left-padded row;
+        - ``layer``: the model layer (not the trace's row); ``slot``: 0..k-1, highest choice score first;
+        - ``token_id`` (when the trace knows its ids), ``expert``, ``weight`` (that expert's routing weight),
+          ``score`` (its sigmoid score s), ``choice_score`` (s + correction bias);
+        - ``bias_chosen``: the expert is in the token's set only because of the bias (not in the top-k of s alone).
+
+        Needs pandas (``pip install "k2lab[lab]"``). The table holds L_moe * k rows per token."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError('RoutingTrace.to_dataframe needs pandas, part of the lab extra: pip install '
+                              '"k2lab[lab]" (or pip install pandas)') from None
+        sequence, position = self.real_tokens().nonzero(as_tuple=True)  # [N] each: the counted tokens
+        per_token = lambda x: x[:, sequence, position].movedim(0, 1)  # [L_moe, B, T, ...] -> [N, L_moe, ...]
+        expert = per_token(self.indices)  # [N, L_moe, k]
+        N, L, k = expert.shape
+        unbiased = per_token(self.unbiased_indices)  # [N, L_moe, k]
+        columns = {
+            "sequence": sequence[:, None, None].expand(N, L, k),
+            "position": position[:, None, None].expand(N, L, k),
+            "layer": torch.tensor(self.layers, device=expert.device)[None, :, None].expand(N, L, k),
+            "slot": torch.arange(k, device=expert.device).expand(N, L, k),
+            **({} if self.token_ids is None else
+               {"token_id": self.token_ids.to(expert.device)[sequence, position][:, None, None].expand(N, L, k)}),
+            "expert": expert,
+            "weight": per_token(self.weights).float(),
+            "score": per_token(self.scores).gather(-1, expert).float(),
+            "choice_score": per_token(self.choice_scores).gather(-1, expert).float(),
+            "bias_chosen": (expert[..., :, None] != unbiased[..., None, :]).all(-1),  # [N, L_moe, k]
+        }
+        return pd.DataFrame({name: column.flatten().cpu().numpy() for name, column in columns.items()})
 
     def row(self, layer: int) -> int:
         """The row of model layer ``layer`` in this trace's tensors."""
@@ -124,7 +203,8 @@ class RoutingTrace:
     @classmethod
     def from_cache(cls, cache: ActivationCache) -> RoutingTrace:
         """Build from a cache holding every MoE layer's gate probes (hook_scores ... hook_topk_weights)."""
-        cfg, layers = cache.model.config, moe_layers(cache.model)
+        cfg = cache.config  # a cache loaded or unpickled without its model still knows its config
+        layers = moe_layers(cfg)
         missing = [name for i in layers for p in _GATE_PROBES if (name := f"layers.{i}.mlp.gate.{p}") not in cache]
         if missing:
             raise KeyError(f"a routing trace needs the gate probes of every MoE layer; missing e.g. {missing[:3]}")
@@ -140,12 +220,15 @@ class RoutingTrace:
 def trace(model: K2Model, input_ids: torch.Tensor, **forward_kwargs) -> RoutingTrace:
     """Run ``model(input_ids)`` once, recording only the router probes, and return the routing of every MoE layer.
     Active interventions (``model.hooks``, ``k2lab.interventions``) are seen: the trace shows the routing used.
-    With ``attention_mask=`` (a padded batch), or a list of texts of different lengths (padded by the model's
-    tokenizer), the trace keeps the mask, and its metrics skip the pads."""
+
+    Pads are not tokens: with ``attention_mask=`` (a padded batch), a list of texts of different lengths (padded by
+    the model's tokenizer), or ids whose rows begin or end with pads and no mask (``model.infer_attention_mask``
+    finds them, as the forward does), the trace keeps the mask, and its metrics skip the pads. An explicit
+    ``attention_mask`` wins. The ids are kept too (``tr.token_ids``)."""
     moe_layers(model)  # fail early, with a clear message, on a dense-only model
     wanted = lambda name: ".mlp.gate." in name and name.endswith(_GATE_PROBES)
     mask = forward_kwargs.pop("attention_mask", None)
-    if isinstance(model, K2Model):  # text is tokenized here, as the model would, to keep the pad mask it makes
+    if isinstance(model, K2Model):  # text is tokenized, or the pads of ids found, as the model would: keep that mask
         input_ids, mask = model.check_input(input_ids, mask)
     if mask is not None:
         forward_kwargs["attention_mask"] = mask
@@ -153,7 +236,24 @@ def trace(model: K2Model, input_ids: torch.Tensor, **forward_kwargs) -> RoutingT
     tr = RoutingTrace.from_cache(cache)
     if mask is not None:
         tr.token_mask = torch.as_tensor(mask).reshape(tr.indices.shape[1:3]).bool().to(tr.indices.device)
+    if isinstance(input_ids, torch.Tensor):
+        tr.token_ids = input_ids.reshape(tr.indices.shape[1:3]).to(tr.indices.device)
     return tr
+
+
+def trace_dataset(model: K2Model, texts: Iterable[str], batch_size: int = 8, max_len: int | None = None,
+                  progress: bool | None = None) -> RoutingTrace:
+    """The routing of every text of ``texts``, traced ``batch_size`` texts at a time (``k2lab.analysis.batches``:
+    its checks, ``max_len`` keeping each text's first tokens, a progress bar), as one trace: row b of its [B, T]
+    is ``texts[b]``, T the longest text's tokens, ``token_mask`` marking where each text ends.
+
+    Batches are padded on the right, so column t is token t of its text (in every batch and in ``to_dataframe``);
+    pads take no position, so the routing is the same as left padding's. The trace holds every token's scores and
+    choice scores ([L_moe, B, T, E] each, float32, on the model's device): for K2 (E = 384, 60 MoE layers) about
+    190 KB a token, so trace a large corpus in parts and keep what each part's metrics give."""
+    parts = [trace(model, ids, attention_mask=mask)
+             for ids, mask in batches(model, texts, batch_size, max_len, padding_side="right", progress=progress)]
+    return RoutingTrace.concat(parts)
 
 
 # ---- metrics ---------------------------------------------------------------------------------------------------------

@@ -25,13 +25,14 @@ def router_token_figure(scores: torch.Tensor, bias: torch.Tensor, chosen: torch.
     ``scores``, ``bias``, ``logits``: [E]; ``chosen``, ``weights``, ``unbiased``: [k]."""
     scores, bias = data(scores, "scores", 1), data(bias, "bias", 1)
     same_length(bias, scores, "bias", "scores")
-    if len(data(chosen, "chosen", 1)) != len(data(weights, "weights", 1)):
+    E = len(scores)
+    chosen = _expert_ids(chosen, "chosen", E)
+    if len(chosen) != len(data(weights, "weights", 1)):
         raise ValueError(f"chosen and weights must both hold the k chosen experts, got {len(chosen)} and "
                          f"{len(weights)}")
-    E = len(scores)
     experts = np.arange(E)
     is_chosen = np.zeros(E, dtype=bool)
-    is_chosen[array(chosen).astype(int)] = True
+    is_chosen[chosen] = True
     colors = np.where(is_chosen, CHOSEN, NOT_CHOSEN)
     rows = 3 if logits is not None else 2
     names = (["router logits"] if logits is not None else []) + [
@@ -51,12 +52,12 @@ def router_token_figure(scores: torch.Tensor, bias: torch.Tensor, chosen: torch.
                              hovertemplate="expert %{x}<br>s + b %{y:.3f}<br>bias %{customdata:.3f}<extra></extra>"),
                   row=row, col=1)
     if unbiased is not None:
-        u = array(unbiased).astype(int)
+        u = _expert_ids(unbiased, "unbiased", E)
         fig.add_trace(go.Scatter(x=u, y=s[u], mode="markers", name="top-k without the bias",
                                  marker=dict(symbol="circle-open", color=ORANGE, size=12, line=dict(width=2))),
                       row=row, col=1)
     fig.update_yaxes(title_text="score", row=row, col=1)
-    fig.add_trace(go.Bar(x=array(chosen).astype(int), y=array(weights), marker_color=CHOSEN, name="weight",
+    fig.add_trace(go.Bar(x=chosen, y=array(weights), marker_color=CHOSEN, name="weight",
                          width=0.8, showlegend=False,  # one expert wide, like the bars above
                          hovertemplate="expert %{x}<br>weight %{y:.3f}<extra></extra>"),
                   row=row + 1, col=1)
@@ -64,6 +65,16 @@ def router_token_figure(scores: torch.Tensor, bias: torch.Tensor, chosen: torch.
     fig.update_xaxes(title_text="expert", row=row + 1, col=1)
     fig.update_xaxes(range=[-0.7, E - 0.3])
     return finish(fig, title or "One token through the router", height=240 + 190 * rows, legend_below=True)
+
+
+def _expert_ids(ids: torch.Tensor | Sequence[int], name: str, num_experts: int) -> np.ndarray:
+    """[k] expert ids as ints, each one a bar of the figure: 0 .. num_experts - 1 (the length of ``scores``)."""
+    values = data(ids, name, 1)
+    wrong = values[(values != values.round()) | (values < 0) | (values >= num_experts)]
+    if wrong.size:
+        raise ValueError(f"{name} must hold expert ids in 0..{num_experts - 1} (scores holds {num_experts} experts); "
+                         f"got {wrong[0]:g} in {name}")
+    return values.astype(int)
 
 
 def routing_heatmap(indices: torch.Tensor, weights: torch.Tensor, num_experts: int, tokens: Sequence[str],

@@ -98,10 +98,12 @@ class FP8Format(QuantFormat):
     block: tuple[int, int] = (128, 128)
 
     def __post_init__(self) -> None:
-        block = tuple(self.block)
-        if len(block) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block):
-            raise ValueError(f"FP8 block must be two positive integers, got {self.block!r}")
-        object.__setattr__(self, "block", block)
+        # A scalar (block=128) or None is refused here, by name, before tuple() would fail on it
+        pair = isinstance(self.block, tuple | list) and len(self.block) == 2
+        if not pair or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in self.block):
+            raise ValueError(f"FP8 block must be a (rows, cols) pair of positive integers, e.g. "
+                             f"FP8Format(block=(128, 128)); got block={self.block!r}")
+        object.__setattr__(self, "block", tuple(self.block))
 
     def quantizes(self, spec: TensorSpec) -> bool:
         return spec.quantizable
