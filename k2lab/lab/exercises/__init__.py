@@ -1,0 +1,53 @@
+"""Check functions for the notebooks' "write it yourself" exercises.
+
+Each ``check_*`` runs the learner's function on fixed inputs, compares the result with k2lab's own module (or the
+formula k2lab implements), and returns a ``Verdict``: ``✓ ...`` when it agrees, otherwise ``✗`` and WHAT is wrong
+(wrong shape, wrong scale, the eps forgotten, the bias in the weights, ...). The common mistakes are recognised by
+computing them too: if the learner's output equals a known mistake's, the verdict names it. The inputs are chosen so
+that the mistakes give different answers (ranks where the highest-first and lowest-first rules disagree, streams
+whose rms makes eps matter, loads whose mean and median differ), and where an exercise forbids a computation
+(the absorbed forms build no per-head key) a ``Watch`` sees every tensor the learner's code makes.
+
+    from k2lab.lab import exercises
+    exercises.check_rms_norm(my_rms_norm)      # ✓ or ✗ with the reason
+
+A stub that still raises ``NotImplementedError`` gets "not written yet", so a notebook with unsolved exercises
+still runs from top to bottom; library warnings raised inside a check stay out of the cell.
+
+The construction track, each piece checked against k2lab and then used by the next:
+
+    check_bpe_training        01  learn BPE merges from a corpus (bytes, pre-tokens, most frequent pair)
+    check_bpe                 01  encode with ranks (rank-BPE)
+    check_yarn_frequencies    02  YaRN's inverse frequencies and softmax scale, for K2 and DeepSeek-V3
+    check_rotation            02  the rotary rotation
+    check_absorbed_score      03  the scores through the latent
+    check_mla_forward         03  MLA from its weights, naive or absorbed
+    check_router ... block    04  the router's five stages, RMSNorm, SwiGLU, the MoE's sum, the block
+    check_model_from_weights  09  the whole K2 from its state dict
+    check_bias_update         10  aux-loss-free balancing
+    check_newton_schulz       10  Muon's orthogonalisation
+    check_qk_clip             10  QK-Clip for one MLA head
+"""
+
+from .analysis import (
+    check_kv_cache_bytes,
+    check_logit_attribution,
+    check_logit_lens,
+    check_max_violation,
+    check_patch_hook,
+)
+from .attention import check_absorbed_score, check_mla_forward
+from .blocks import check_block, check_moe_combine, check_rms_norm, check_router, check_swiglu
+from .checking import Verdict, Watch
+from .model import check_greedy, check_model_from_weights, small_k2
+from .position import DEEPSEEK_V3_ROPE, check_rotation, check_yarn_frequencies
+from .tokens import check_bpe, check_bpe_training, train_bpe
+from .training import check_bias_update, check_newton_schulz, check_qk_clip
+
+__all__ = [
+    "DEEPSEEK_V3_ROPE", "Verdict", "Watch", "check_absorbed_score", "check_bias_update", "check_block", "check_bpe",
+    "check_bpe_training", "check_greedy", "check_kv_cache_bytes", "check_logit_attribution", "check_logit_lens",
+    "check_max_violation", "check_mla_forward", "check_model_from_weights", "check_moe_combine",
+    "check_newton_schulz", "check_patch_hook", "check_qk_clip", "check_rms_norm", "check_rotation", "check_router",
+    "check_swiglu", "check_yarn_frequencies", "small_k2", "train_bpe",
+]

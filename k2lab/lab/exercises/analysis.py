@@ -1,0 +1,166 @@
+"""05 to 09: reading the model. MaxVio (``check_max_violation``), direct logit attribution
+(``check_logit_attribution``), a patching hook (``check_patch_hook``), KV-cache bytes (``check_kv_cache_bytes``) and
+the logit lens (``check_logit_lens``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ...analysis.accounting import kv_cache_bytes
+from ...analysis.routing import max_violation
+from ...config import K2Config
+from ...model.layers import RMSNorm
+from .checking import Verdict, call, checker, compare, generator
+
+# --- 05: MaxVio ---------------------------------------------------------------------------------------------------
+
+
+@checker
+def check_max_violation(fn: Callable) -> Verdict:
+    """``fn(counts [L, E]) -> [L]``: MaxVio = max_e c_e / mean_e c_e - 1, against ``k2lab.routing.max_violation``."""
+    counts = torch.tensor([[10, 30, 20, 20, 0, 40], [25, 25, 25, 25, 25, 25], [0, 0, 90, 30, 0, 30]])
+    expected = max_violation(counts).double()
+    out, error = call(fn, counts.clone())
+    if error is not None:
+        return error
+    c = counts.double()
+    mean, top = c.mean(-1), c.amax(-1)
+    mistakes = [
+        ("you forgot the - 1: MaxVio is 0 when balanced", top / mean),
+        ("you gave a percentage; MaxVio is a fraction (0.5, not 50)", 100 * (top / mean - 1)),
+        ("you divided by the total; MaxVio divides by the mean load", top / c.sum(-1) - 1),
+        ("(max - min) / mean is a spread, not MaxVio: compare the busiest expert with the mean",
+         (top - c.amin(-1)) / mean),
+        ("that is the coefficient of variation (std / mean), not MaxVio", c.std(-1) / mean),
+        ("you reduced over the wrong dimension: one value per layer, over its experts",
+         c.amax(0) / c.mean(0) - 1),
+    ]
+    return compare("MaxVio", out, expected, mistakes)
+
+
+# --- 06: direct logit attribution ---------------------------------------------------------------------------------
+
+
+@checker
+def check_logit_attribution(fn: Callable) -> Verdict:
+    """``fn(component [D], x_final [D], norm_weight [D], unembed_row [D], eps) -> float``: one term's direct
+    contribution to a logit, u · (g ⊙ c) / rms(x_L) with rms(x_L) = sqrt(mean(x_L²) + eps), the final norm's scale
+    frozen at x_L. The check's stream is small beside its eps, so that leaving eps out (or putting it outside the
+    square root) shows."""
+    g = generator(9)
+    D, eps = 16, 0.05
+    parts = torch.randn(3, D, generator=g) * torch.tensor([[0.3], [0.2], [0.1]])  # mean(x_L²) about eps
+    x_final = parts.sum(0)
+    norm = RMSNorm(D, eps)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+    u, w = torch.randn(D, generator=g), norm.weight.detach()
+    ms = x_final.pow(2).mean()
+    rms = (ms + eps).sqrt()
+    logit = (u * norm(x_final).detach()).sum()
+    answers = []
+    for c in parts:
+        expected = (u * w * c).sum() / rms
+        out, error = call(fn, c.clone(), x_final.clone(), w.clone(), u.clone(), eps)
+        if error is not None:
+            return error
+        mistakes = [
+            ("you forgot to divide by rms(x_L): the final norm scales every term by the same 1 / rms(x_L)",
+             (u * w * c).sum()),
+            ("you forgot the eps: rms(x_L) = sqrt(mean(x_L²) + eps), as the final RMSNorm computes it",
+             (u * w * c).sum() / ms.sqrt()),
+            ("the eps goes inside the square root: rms(x_L) = sqrt(mean(x_L²) + eps)",
+             (u * w * c).sum() / (ms.sqrt() + eps)),
+            ("you divided by the term's own rms; the norm's scale is frozen at the whole stream's, rms(x_L)",
+             (u * w * c).sum() / (c.pow(2).mean() + eps).sqrt()),
+            ("you forgot the norm's weight g", (u * c).sum() / rms),
+        ]
+        verdict = compare("attribution", out, expected, mistakes)
+        if not verdict.ok:
+            return verdict
+        answers.append(float(out))
+    return Verdict(True, f"direct logit attribution: right, and the terms sum to the logit ({sum(answers):.4f} = "
+                         f"{logit.item():.4f})")
+
+
+# --- 07: a patching hook ------------------------------------------------------------------------------------------
+
+
+@checker
+def check_patch_hook(fn: Callable) -> Verdict:
+    """``fn(activation [B, T, D], source [B, T, D], positions: list[int]) -> [B, T, D]``: the activation with the
+    source's values at the given positions, as ``k2lab.interventions.patch`` writes them; the input unchanged."""
+    g = generator(10)
+    act, source, positions = torch.randn(2, 5, 3, generator=g), torch.randn(2, 5, 3, generator=g), [1, 3]
+    expected = act.clone()
+    expected[:, positions] = source[:, positions]
+    given = act.clone()
+    out, error = call(fn, given, source.clone(), list(positions))
+    if error is not None:
+        return error
+    if not torch.equal(given, act):
+        return Verdict(False, "you changed the activation in place: another probe or cache may hold that very tensor; "
+                              "clone it, then write into the copy")
+    others = source.clone()
+    others[:, positions] = act[:, positions]
+    batch = act.clone()
+    batch[positions[0]] = source[positions[0]]
+    mistakes = [("you patched every position; only the given ones change", source),
+                ("you patched every position but the given ones", others),
+                ("you indexed the batch axis; positions are axis 1 of [B, T, D]", batch)]
+    return compare("patch hook", out, expected, mistakes, atol=0, rtol=0)
+
+
+# --- 08: KV-cache bytes -------------------------------------------------------------------------------------------
+
+
+@checker
+def check_kv_cache_bytes(fn: Callable) -> Verdict:
+    """``fn(cfg: K2Config, tokens: int) -> int``: bytes of the latent KV cache in bfloat16 over all layers,
+    against ``k2lab.kv_cache_bytes``."""
+    for cfg, name in ((K2Config.kimi_k2(), "Kimi K2"), (K2Config.nano(), "K2-nano")):
+        for tokens in (1, 1000):
+            expected = kv_cache_bytes(cfg, tokens)
+            out, error = call(fn, cfg, tokens)
+            if error is not None:
+                return error
+            if out == expected:
+                continue
+            L, C, R = cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+            mistakes = {
+                tokens * (C + R) * 2: "you counted one layer; every layer has its own cache",
+                tokens * (C + R) * 4 * L: "4 bytes per value: the cache is bfloat16, 2 bytes",
+                tokens * C * 2 * L: "you forgot the shared rotary key k_pe (qk_rope_head_dim values)",
+                tokens * R * 2 * L: "you forgot the latent c_KV (kv_lora_rank values)",
+                kv_cache_bytes(cfg, tokens, layout="expanded"): "that is the expanded cache (every head's keys and "
+                                                                "values); MLA caches the latent",
+            }
+            message = mistakes.get(out, f"expected {expected:,}, got {out!r}")
+            return Verdict(False, f"{name}, {tokens} tokens: {message}")
+    return Verdict(True, f"KV-cache bytes: right for K2 ({kv_cache_bytes(K2Config.kimi_k2(), 1):,} per token) and nano")
+
+
+# --- 09: the logit lens -------------------------------------------------------------------------------------------
+
+
+@checker
+def check_logit_lens(fn: Callable) -> Verdict:
+    """``fn(resid [T, D], norm, head) -> [T, V]``: the logits the model would give if it stopped at this residual
+    (the final norm, then the head, in float32), as ``ActivationCache.logit_lens`` reads them."""
+    g = generator(11)
+    D, V = 12, 30
+    norm, head = RMSNorm(D), torch.nn.Linear(D, V, bias=False)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+        head.weight.copy_(torch.randn(V, D, generator=g))
+        resid = torch.randn(4, D, generator=g) * 5
+        expected = head(norm(resid)).float()
+        out, error = call(fn, resid.clone(), norm, head)
+        if error is not None:
+            return error
+        mistakes = [("you forgot the final norm: the head reads RMSNorm(x), as after the last layer", head(resid)),
+                    ("you returned probabilities (softmax); return the logits", expected.softmax(-1)),
+                    ("you returned log-probabilities; return the logits", expected.log_softmax(-1))]
+        return compare("logit lens", out, expected, mistakes, atol=1e-4)

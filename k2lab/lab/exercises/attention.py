@@ -1,0 +1,193 @@
+"""03: multi-head latent attention. The absorbed score (``check_absorbed_score``) and MLA's whole forward from its
+weights, naive or absorbed (``check_mla_forward``). The absorbed forms may not expand the latent into per-head keys
+or values; a ``Watch`` sees whether they did."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+
+from ...config import K2Config
+from ...model.attention import MultiHeadLatentAttention, apply_rotary, causal_mask
+from ...model.rope import cos_sin_scale, inverse_frequencies
+from .checking import Verdict, Watch, call, checker, compare, generator, slices
+
+BUILT_KEYS = ("you built each head's keys k_nope = W_UK c_KV; the absorbed form never expands the latent: fold W_UK "
+              "into the query, (W_UK^T q_nope) · c_KV")
+BUILT_VALUES = ("you expanded each head's values W_UV c_KV; the absorbed form attends over c_KV itself and applies "
+                "W_UV to the output")
+
+
+def _forbidden_expansion(watch: Watch, what: str) -> Verdict | None:
+    """A verdict when the learner's absorbed code built per-head keys or values."""
+    for message in (BUILT_KEYS, BUILT_VALUES):
+        if message in watch.found:
+            return Verdict(False, f"{what}: {message}", mistake=message)
+    return None
+
+
+# --- the absorbed score -------------------------------------------------------------------------------------------
+
+
+@checker
+def check_absorbed_score(fn: Callable) -> Verdict:
+    """``fn(q_nope [T, H, N], q_pe [T, H, R], c_kv [S, C], k_pe [S, R], w_uk [H, N, C], scale) -> [H, T, S]``:
+    the pre-softmax scores through the latent, without building each head's keys (no mask). A key built anyway
+    (all heads at once or one head at a time, however spelled) fails the check, even when the scores are right."""
+    g = generator(3)
+    T, S, H, N, R, C = 3, 5, 4, 8, 6, 10
+    q_nope, q_pe = torch.randn(T, H, N, generator=g), torch.randn(T, H, R, generator=g)
+    c_kv, k_pe = torch.randn(S, C, generator=g), torch.randn(S, R, generator=g)
+    w_uk, scale = torch.randn(H, N, C, generator=g), 0.37
+    k_nope = torch.einsum("sc,hnc->hsn", c_kv, w_uk)  # [H, S, N]: the naive path's expanded keys
+    content = torch.einsum("thn,hsn->hts", q_nope, k_nope)
+    rotary = torch.einsum("thr,sr->hts", q_pe, k_pe)
+    expected = scale * (content + rotary)
+    watch = Watch({BUILT_KEYS: list(slices(k_nope, (0,)))})
+    with watch:
+        out, error = call(fn, q_nope.clone(), q_pe.clone(), c_kv.clone(), k_pe.clone(), w_uk.clone(), scale)
+    if error is not None:
+        return error
+    expanded = _forbidden_expansion(watch, "absorbed score")
+    if expanded is not None:
+        return expanded
+    mistakes = [
+        ("the scores are [H, S, T]; rows must be queries t and columns keys s: [H, T, S]", expected.transpose(1, 2)),
+        ("you left out the rotary part q_pe · k_pe", scale * content),
+        ("you left out the content part (W_UK^T q_nope) · c_KV", scale * rotary),
+        ("you forgot the softmax scale", content + rotary),
+        ("the scale applies to the sum: you scaled only the content part", scale * content + rotary),
+        ("the scale applies to the sum: you scaled only the rotary part", content + scale * rotary),
+    ]
+    return compare("absorbed score", out, expected, mistakes, atol=1e-4)
+
+
+# --- MLA from the weights -----------------------------------------------------------------------------------------
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _mla_variant(w: dict[str, torch.Tensor], cfg: K2Config, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 q_norm: bool = True, kv_norm: bool = True, rope_first_in_q: bool = False, k_pe_first: bool = False,
+                 values_first: bool = False, deinterleave: bool = True, rotate: bool = True, causal: bool = True,
+                 scale: float | None = None, softmax_over_queries: bool = False, o_proj: bool = True) -> torch.Tensor:
+    """MLA written out from the weights, with a switch for each usual mistake (the defaults are the right forward);
+    the checker's source of wrong answers. x [B, T, D], cos/sin [T, R] -> [B, T, D]."""
+    H, N, R, V, C = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                     cfg.kv_lora_rank)
+    B, T, _ = x.shape
+    c_q = x @ w["q_a_proj.weight"].T
+    c_q = _rms_norm(c_q, w["q_a_layernorm.weight"], cfg.rms_norm_eps) if q_norm else c_q
+    q = (c_q @ w["q_b_proj.weight"].T).view(B, T, H, N + R)
+    q_nope, q_pe = (q[..., R:], q[..., :R]) if rope_first_in_q else (q[..., :N], q[..., N:])
+    kv_a = x @ w["kv_a_proj_with_mqa.weight"].T  # [B, T, C + R]
+    latent, k_pe = (kv_a[..., R:], kv_a[..., :R]) if k_pe_first else (kv_a[..., :C], kv_a[..., C:])
+    latent = _rms_norm(latent, w["kv_a_layernorm.weight"], cfg.rms_norm_eps) if kv_norm else latent
+    kv = (latent @ w["kv_b_proj.weight"].T).view(B, T, H, N + V)
+    k_nope, v = (kv[..., V:], kv[..., :V]) if values_first else (kv[..., :N], kv[..., N:])
+    if rotate:
+        q_pe = apply_rotary(q_pe, cos[:, None], sin[:, None], interleaved=deinterleave)
+        k_pe = apply_rotary(k_pe, cos, sin, interleaved=deinterleave)
+    scores = torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
+    scores = scores * (cfg.softmax_scale if scale is None else scale)
+    if causal:
+        scores = scores.masked_fill(~causal_mask(T, T, x.device), -torch.inf)
+    pattern = scores.softmax(dim=-2 if softmax_over_queries else -1).nan_to_num()
+    z = torch.einsum("bhts,bshv->bthv", pattern, v).flatten(2)  # [B, T, H*V]
+    return z @ w["o_proj.weight"].T if o_proj else z
+
+
+def _random_attention(cfg: K2Config, seed: int) -> MultiHeadLatentAttention:
+    """An MLA with random weights under which every usual mistake shows: norm weights far from one, a latent whose
+    rms is far from one (so that a forgotten norm changes it), rotary rows large enough to matter."""
+    g = generator(seed)
+    attn = MultiHeadLatentAttention(cfg)
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            if "layernorm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+        attn.kv_a_proj_with_mqa.weight[: cfg.kv_lora_rank] *= 3.0
+    return attn.eval()
+
+
+def _mla_inputs(cfg: K2Config, batch: int, positions: torch.Tensor, seed: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [B, T, D] and the rotary cos, sin [T, R] as ``K2Model.rotary_and_mask`` makes them: each pair's angle
+    position * inv_freq[i], written for x_i and x_{i+R/2} (the rotate-half layout), times YaRN's cos/sin factor."""
+    hidden = torch.randn(batch, len(positions), cfg.hidden_size, generator=generator(seed))
+    angles = positions.float()[:, None] * inverse_frequencies(cfg)  # [T, R/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [T, R]
+    return hidden, angles.cos() * cos_sin_scale(cfg), angles.sin() * cos_sin_scale(cfg)
+
+
+@checker
+def check_mla_forward(fn: Callable, absorbed: bool = False) -> Verdict:
+    """``fn(weights: dict[str, Tensor], cfg: K2Config, hidden [B, T, D], cos [T, R], sin [T, R]) -> [B, T, D]``:
+    multi-head latent attention from its weights, equal to ``k2lab.model.attention.MultiHeadLatentAttention``.
+
+    ``weights`` holds the module's tensors under their checkpoint names (``q_a_proj.weight``,
+    ``q_a_layernorm.weight``, ``q_b_proj.weight``, ``kv_a_proj_with_mqa.weight``, ``kv_a_layernorm.weight``,
+    ``kv_b_proj.weight``, ``o_proj.weight``); the config gives the widths and ``rms_norm_eps``. cos and sin are for
+    the rotate-half layout (each pair's angle for x_i and x_{i+R/2}) after the checkpoint's interleaved rotary
+    features are de-interleaved; the queries attend causally (position t sees 0..t); the softmax scale is
+    ``cfg.softmax_scale``.
+
+    ``absorbed=True`` checks the absorbed form, one multi-query attention over [W_UK^T q_nope ; q_pe] ·
+    [c_KV ; k_pe] with W_UV applied after: it must never build per-head keys or values (the check watches every
+    tensor your code makes), and it keeps the scale (N + R)^-1/2 * m^2, since the scores are the same numbers."""
+    cfg = K2Config.nano().replace(kv_lora_rank=40)  # C + R (56) unlike N + R (48): a scale from the wrong width shows
+    attn = _random_attention(cfg, seed=13)
+    hidden, cos, sin = _mla_inputs(cfg, batch=2, positions=torch.arange(7), seed=14)
+    w = {name: t.detach().clone() for name, t in attn.state_dict().items()}
+    with torch.no_grad():
+        expected = attn(hidden, cos, sin, attn_impl="naive")
+        H, N, V = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        latent = _rms_norm((hidden @ w["kv_a_proj_with_mqa.weight"].T)[..., : cfg.kv_lora_rank],
+                           w["kv_a_layernorm.weight"], cfg.rms_norm_eps)
+        kv = (latent @ w["kv_b_proj.weight"].T).unflatten(-1, (H, N + V))  # [B, S, H, N+V]: what naive expands
+    watch = Watch({BUILT_KEYS: list(slices(kv[..., :N], (0, 2))),
+                   BUILT_VALUES: [kv, *slices(kv[..., N:], (0, 2))]} if absorbed else None)
+    with watch if watch is not None else nullcontext(), torch.no_grad():
+        out, error = call(fn, dict(w), cfg, hidden.clone(), cos.clone(), sin.clone())
+    if error is not None:
+        return error
+    what = "absorbed MLA" if absorbed else "MLA forward"
+    expanded = _forbidden_expansion(watch, what) if absorbed else None
+    if expanded is not None:
+        return expanded
+    args = (w, cfg, hidden, cos, sin)
+    qk, wide, m2 = cfg.qk_head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.yarn_mscale**2
+    with torch.no_grad():
+        mistakes = [
+            ("you forgot kv_a_layernorm: c_KV is the NORMALISED latent", _mla_variant(*args, kv_norm=False)),
+            ("you forgot q_a_layernorm: c_Q is normalised before q_b_proj", _mla_variant(*args, q_norm=False)),
+            ("each head's query is [nope (N) | rope (R)]: you took the rotary part first",
+             _mla_variant(*args, rope_first_in_q=True)),
+            ("kv_a_proj_with_mqa gives [c_KV (C) | k_pe (R)]: you took k_pe first",
+             _mla_variant(*args, k_pe_first=True)),
+            ("kv_b_proj gives per head [k_nope (N) | v (V)]: you took the values first",
+             _mla_variant(*args, values_first=True)),
+            ("you rotated the stored rotary features as they are: de-interleave them first ((x0, x1, x2, ...) -> "
+             "(x0, x2, ..., x1, x3, ...)), then rotate halves", _mla_variant(*args, deinterleave=False)),
+            ("you did not rotate q_pe and k_pe", _mla_variant(*args, rotate=False)),
+            ("you forgot the causal mask: position t may only see keys 0..t", _mla_variant(*args, causal=False)),
+            (f"you forgot YaRN's m^2 in the scale: it is {qk}^-1/2 * m^2", _mla_variant(*args, scale=qk**-0.5)),
+            (f"the scale stays {qk}^-1/2 * m^2 in the absorbed form: the scores are the same numbers, summed in "
+             f"another order; the {wide}-wide keys do not change them", _mla_variant(*args, scale=wide**-0.5 * m2)),
+            (f"the scale is {qk}^-1/2 * m^2, not 1/sqrt({wide}): the scores are the naive ones, whatever the width of "
+             f"the absorbed keys", _mla_variant(*args, scale=wide**-0.5)),
+            ("you took the softmax over the queries; it runs over the keys (the last axis)",
+             _mla_variant(*args, softmax_over_queries=True)),
+            ("you forgot o_proj: the heads' outputs go through o_proj into the residual",
+             _mla_variant(*args, o_proj=False)),
+        ]
+    verdict = compare(what, out, expected, mistakes, atol=1e-4)
+    if verdict.ok and absorbed:
+        return Verdict(True, f"{verdict.message}, and no per-head key or value was built")
+    return verdict

@@ -1,0 +1,205 @@
+"""04 and 04b: the router's five stages (``check_router``) and the block's parts (``check_rms_norm``,
+``check_swiglu``, ``check_moe_combine``, ``check_block``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ...config import K2Config
+from ...model.layers import RMSNorm, SwiGLU
+from ...model.moe import Router
+from .checking import Verdict, call, checker, compare, generator
+
+# --- 04: the router's five stages ---------------------------------------------------------------------------------
+
+
+def _by_expert(idx: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort each row's (expert, weight) pairs by expert, so that the order of the slots does not matter."""
+    order = idx.argsort(-1)
+    return idx.gather(-1, order), weights.gather(-1, order)
+
+
+@checker
+def check_router(fn: Callable) -> Verdict:
+    """``fn(x [N, D], weight [E, D], bias [E], top_k, scaling) -> (idx [N, k], weights [N, k])``: K2's router
+    (sigmoid, bias only in the choice, renormalised, scaled), checked against ``k2lab.model.moe.Router``."""
+    cfg = K2Config.nano()
+    g = generator(4)
+    router = Router(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(cfg.n_routed_experts, cfg.hidden_size, generator=g) * 0.15)
+        router.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts, generator=g) * 0.3)
+    x = torch.randn(16, cfg.hidden_size, generator=g)
+    with torch.no_grad():
+        idx, weights = router(x[None])
+    idx, weights = _by_expert(idx[0], weights[0])
+    bias, k, scaling = router.e_score_correction_bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor
+    out, error = call(fn, x.clone(), router.weight.detach().clone(), bias.clone(), k, scaling)
+    if error is not None:
+        return error
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        return Verdict(False, "return two tensors: (idx [N, k], weights [N, k])")
+    out_idx, out_w = (torch.as_tensor(t).detach().cpu() if t is not None else None for t in out)  # beside idx
+    if out_idx is None or out_w is None:
+        return Verdict(False, "one of your two outputs is None")
+    if out_idx.shape != idx.shape or out_w.shape != weights.shape:
+        return Verdict(False, f"wrong shapes: got idx {list(out_idx.shape)} and weights {list(out_w.shape)}, "
+                              f"expected [N, k] = {list(idx.shape)} for both")
+    out_idx, out_w = _by_expert(out_idx.long(), out_w.float())
+    logits = x @ router.weight.detach().T  # [N, E]
+    s = logits.sigmoid()
+    top = lambda scores: scores.topk(k, dim=-1).indices.sort(-1).values  # noqa: E731
+    if not torch.equal(out_idx, idx):
+        choices = [("you chose by s alone: the choice is top-k of s + bias (the bias decides WHO is chosen)", top(s)),
+                   ("you chose by softmax(logits) + bias; K2's affinities are sigmoid(logits)",
+                    top(logits.softmax(-1) + bias)),
+                   ("you added the bias to the logits; it is added to the sigmoid scores s", top(logits + bias)),
+                   ("you took the k LOWEST choice scores", (s + bias).topk(k, largest=False).indices.sort(-1).values)]
+        for message, candidate in choices:
+            if torch.equal(out_idx, candidate):
+                return Verdict(False, f"chosen experts: {message}")
+        rows = int((out_idx != idx).any(-1).sum())
+        return Verdict(False, f"chosen experts differ from k2lab's in {rows} of {len(idx)} tokens")
+    picked = lambda scores: scores.gather(-1, idx)  # noqa: E731
+    renorm = lambda w: w / w.sum(-1, keepdim=True)  # noqa: E731
+    mistakes = [
+        ("the bias is in your weights: gather them from s, not from s + bias", renorm(picked(s + bias)) * scaling),
+        ("you forgot to renormalise over the chosen experts (divide by their sum)", picked(s) * scaling),
+        ("you forgot the routed_scaling_factor (the weights should sum to it)", renorm(picked(s))),
+        ("your weights come from softmax(logits); K2's from sigmoid(logits)",
+         renorm(picked(logits.softmax(-1))) * scaling),
+        ("your weights are the raw logits", picked(logits)),
+    ]
+    verdict = compare("weights", out_w, weights, mistakes)
+    return Verdict(True, "router: same experts and weights as k2lab's Router") if verdict.ok else verdict
+
+
+# --- 04b: the block -----------------------------------------------------------------------------------------------
+
+
+@checker
+def check_rms_norm(fn: Callable) -> Verdict:
+    """``fn(x [..., D], weight [D], eps) -> [..., D]``: RMSNorm, checked against ``k2lab.model.layers.RMSNorm``."""
+    g = generator(5)
+    D, eps = 16, 0.05  # a large eps and one tiny row, so that forgetting eps shows
+    x = torch.randn(2, 5, D, generator=g) * 3 + 1.5  # not centred, so that subtracting the mean shows
+    x[0, 0] *= 0.01
+    norm = RMSNorm(D, eps)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+        expected = norm(x)
+    w = norm.weight.detach()
+    out, error = call(fn, x.clone(), w.clone(), eps)
+    if error is not None:
+        return error
+    ms = x.pow(2).mean(-1, keepdim=True)
+    centred = x - x.mean(-1, keepdim=True)
+    mistakes = [
+        ("you forgot the eps inside the square root", x / ms.sqrt() * w),
+        ("the eps goes inside the square root: x / sqrt(mean(x²) + eps)", x / (ms.sqrt() + eps) * w),
+        ("you forgot the weight g (the learned per-feature scale)", x / (ms + eps).sqrt()),
+        ("you subtracted the mean: that is LayerNorm; RMSNorm does not centre",
+         centred / (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w),
+        ("you divided by the mean square; divide by its square root", x / (ms + eps) * w),
+        ("you used the sum of squares; RMSNorm uses their mean", x / (x.pow(2).sum(-1, keepdim=True) + eps).sqrt() * w),
+        ("you multiplied by the rms; divide by it", x * (ms + eps).sqrt() * w),
+        ("you averaged over the wrong dimension: normalise over the last one, the features",
+         x / (x.pow(2).mean(0, keepdim=True) + eps).sqrt() * w),
+    ]
+    return compare("RMSNorm", out, expected, mistakes)
+
+
+@checker
+def check_swiglu(fn: Callable) -> Verdict:
+    """``fn(x [N, D], gate [I, D], up [I, D], down [D, I]) -> [N, D]``: SwiGLU, against
+    ``k2lab.model.layers.SwiGLU``."""
+    g = generator(6)
+    D, hidden = 12, 20
+    mlp = SwiGLU(D, hidden)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+    x = torch.randn(7, D, generator=g)
+    with torch.no_grad():
+        expected = mlp(x)
+    gate, up, down = (p.detach() for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
+    out, error = call(fn, x.clone(), gate.clone(), up.clone(), down.clone())
+    if error is not None:
+        return error
+    a, b = x @ gate.T, x @ up.T  # [N, I]
+    mistakes = [
+        ("you applied SiLU to the up projection; it goes on the gate: down(silu(gate x) * up x)",
+         (a * F.silu(b)) @ down.T),
+        ("ReLU instead of SiLU (silu(z) = z * sigmoid(z))", (F.relu(a) * b) @ down.T),
+        ("sigmoid instead of SiLU (silu(z) = z * sigmoid(z))", (a.sigmoid() * b) @ down.T),
+        ("GELU instead of SiLU (silu(z) = z * sigmoid(z))", (F.gelu(a) * b) @ down.T),
+        ("you left out the up projection: the gate multiplies up(x)", F.silu(a) @ down.T),
+    ]
+    return compare("SwiGLU", out, expected, mistakes)
+
+
+@checker
+def check_moe_combine(fn: Callable) -> Verdict:
+    """``fn(shared [N, D], expert_out [N, k, D], weights [N, k]) -> [N, D]``: the MoE's output, shared expert plus
+    the weighted sum of the chosen experts' outputs (``k2lab.model.moe.MoE.forward``)."""
+    g = generator(7)
+    N, k, D = 5, 4, 6
+    shared, expert_out = torch.randn(N, D, generator=g), torch.randn(N, k, D, generator=g)
+    weights = torch.rand(N, k, generator=g) * 1.2
+    routed = (expert_out * weights[..., None]).sum(1)  # [N, D]
+    expected = shared + routed
+    out, error = call(fn, shared.clone(), expert_out.clone(), weights.clone())
+    if error is not None:
+        return error
+    mistakes = [
+        ("you forgot the shared expert: it is added to every token", routed),
+        ("you forgot the weights: each expert's output is multiplied by its weight", shared + expert_out.sum(1)),
+        ("you averaged the slots; the MoE sums them", shared + routed / k),
+        ("you renormalised the weights to sum to 1; they already carry routed_scaling_factor",
+         shared + (expert_out * (weights / weights.sum(-1, keepdim=True))[..., None]).sum(1)),
+    ]
+    return compare("MoE combine", out, expected, mistakes)
+
+
+@checker
+def check_block(fn: Callable) -> Verdict:
+    """``fn(x [N, D], input_norm, attn, post_norm, ffn) -> [N, D]``: one pre-norm block, x + attn(norm(x)), then
+    + ffn(norm(.)), as ``k2lab.model.transformer.DecoderLayer`` runs it (here ``attn`` and ``ffn`` are plain
+    functions [N, D] -> [N, D], so the check needs no positions)."""
+    g = generator(8)
+    D = 12
+    norms = [RMSNorm(D), RMSNorm(D)]
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+    w_attn, ffn_module = torch.randn(D, D, generator=g) * 0.5, SwiGLU(D, 16)
+    with torch.no_grad():
+        for p in ffn_module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    attn = lambda h: torch.tanh(h @ w_attn)  # noqa: E731
+    ffn = lambda h: ffn_module(h)  # noqa: E731
+    x = torch.randn(4, D, generator=g) * 2 + 0.5
+    n1, n2 = norms
+    with torch.no_grad():
+        mid = x + attn(n1(x))
+        expected = mid + ffn(n2(mid))
+        out, error = call(fn, x.clone(), n1, attn, n2, ffn)
+        if error is not None:
+            return error
+        post = n1(x + attn(x))
+        mistakes = [
+            ("post-norm: you normalised after adding; K2 normalises each sublayer's INPUT (pre-norm)",
+             n2(post + ffn(post))),
+            ("you forgot the first residual: keep x and add attention's output to it",
+             attn(n1(x)) + ffn(n2(attn(n1(x))))),
+            ("you forgot the second residual: add the FFN's output to the stream after attention", ffn(n2(mid))),
+            ("the FFN must read the stream AFTER attention, not the block's input x (that is a parallel block)",
+             mid + ffn(n2(x))),
+            ("you wrote the normalised stream back into the residual: the residual itself is never normalised",
+             n1(x) + attn(n1(x)) + ffn(n2(n1(x) + attn(n1(x))))),
+            ("you used input_norm twice; the FFN has its own post_attention_layernorm", mid + ffn(n1(mid))),
+        ]
+        return compare("pre-norm block", out, expected, mistakes)
