@@ -6,8 +6,11 @@ notebooks/NN_name.ipynb, executed with the bundled K2-nano so the committed note
     python scripts/build_notebooks.py --check      # fail if a .ipynb's cells differ from its source (no execution)
 
 Source format: a line ``# %%`` starts a code cell, ``# %% [markdown]`` a markdown cell whose lines are written as
-``# text``; ``# %% tags=["nbval-ignore-output"]`` gives a cell tags. A code cell tagged ``solution`` is stored with
-its source collapsed (``jupyter.source_hidden``): an exercise's answer, one click away, and still run by nbval.
+``# text``; ``# %% tags=["nbval-ignore-output"]`` gives a cell tags. Exercises keep their answers folded, one click
+away: a code cell tagged ``solution`` is stored with its source and its outputs collapsed (``jupyter.source_hidden``,
+``outputs_hidden``; still run by nbval), and a markdown cell tagged ``solution`` or ``hint`` is wrapped in
+``<details>`` under a "Solution" or "Hint" summary (its first line, when that is a ``**bold**`` title, becomes the
+summary instead).
 K2LAB_* variables are cleared for the build, so the stored outputs are K2-nano's, unless ``--keep-env`` (to build
 with another model's outputs). Kernels run with OMP_NUM_THREADS=1 unless it is set, and with this checkout first on
 PYTHONPATH; run nbval the same way.
@@ -38,11 +41,14 @@ def parse(source: str) -> nbformat.NotebookNode:
         text = "\n".join(lines).strip("\n")
         if kind == "markdown":
             text = "\n".join(line[2:] if line.startswith("# ") else line.lstrip("#") for line in text.splitlines())
-            cells.append(nbformat.v4.new_markdown_cell(text))
+            folded = [tag for tag in ("solution", "hint") if tag in tags]
+            if folded:
+                text = fold(text, folded[0].capitalize())
+            cells.append(nbformat.v4.new_markdown_cell(text, metadata={"tags": tags} if tags else {}))
         elif kind == "code":
             metadata = {"tags": tags} if tags else {}
             if "solution" in tags:
-                metadata["jupyter"] = {"source_hidden": True}
+                metadata["jupyter"] = {"source_hidden": True, "outputs_hidden": True}
             cells.append(nbformat.v4.new_code_cell(text, metadata=metadata))
 
     for line in source.splitlines():
@@ -58,6 +64,16 @@ def parse(source: str) -> nbformat.NotebookNode:
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}
     return nb
+
+
+def fold(text: str, summary: str) -> str:
+    """Markdown ``text`` inside ``<details>``: closed until the learner opens it. A first line ``**Title**`` is the
+    summary; else ``summary``."""
+    first, _, rest = text.partition("\n")
+    title = re.fullmatch(r"\*\*(.+)\*\*", first.strip())
+    if title:
+        summary, text = title.group(1), rest.strip("\n")
+    return f"<details><summary>{summary}</summary>\n\n{text}\n\n</details>"
 
 
 def build(src: Path, timeout: int = 300) -> float:
