@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from ..config import K2Config
 from ..model.moe import allowed_experts, group_best  # noqa: F401 - the router's own rule, re-exported
 from ..model.transformer import K2Model
 from .datasets import batches
@@ -48,7 +49,6 @@ from .datasets import batches
 if TYPE_CHECKING:
     import pandas
 
-    from ..config import K2Config
     from ..model.activation_cache import ActivationCache
 
 _GATE_PROBES = ("hook_scores", "hook_choice_scores", "hook_topk_idx", "hook_topk_weights")
@@ -65,7 +65,7 @@ def select_experts(choice: torch.Tensor, top_k: int, n_group: int = 1, topk_grou
 
 def moe_layers(model: K2Model | K2Config) -> list[int]:
     """Indices of the MoE layers of a model or config (dense ones come first in K2: layer 0)."""
-    cfg, L = (model.config, len(model.layers)) if isinstance(model, K2Model) else (model, model.num_hidden_layers)
+    cfg, L = (model, model.num_hidden_layers) if isinstance(model, K2Config) else (model.config, len(model.layers))
     layers = [i for i in range(L) if cfg.is_moe_layer(i)]
     if not layers:
         raise ValueError("this model has no MoE layer (first_k_dense_replace >= num_hidden_layers)")
