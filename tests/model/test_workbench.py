@@ -316,3 +316,25 @@ def test_the_full_k2_on_meta_gives_shapes_of_logits_and_losses(full_k2_on_meta, 
     assert model(ids, return_type="loss", loss_per_token=True).shape == (2, 3)
     with pytest.raises(ValueError, match="meta device has none"):
         k2lab.generate(model, ids, 2)
+
+
+# ---- the block norms' probes ------------------------------------------------------------------------------------
+def test_the_norm_probes_hold_the_normalised_inputs_of_attention_and_of_the_moe(nano):
+    """``input_layernorm.hook_out`` is RMSNorm(resid_pre) and ``post_attention_layernorm.hook_out`` RMSNorm(resid_mid),
+    computed here from the formula; replacing the second changes what the MoE sees (its router and its output)."""
+    model, _ = nano
+    ids = model.to_tokens("for i in range(3):\n    print(i)")
+    _, cache = model.run_with_cache(ids)
+    for i, layer in enumerate(model.layers):
+        pairs = ((layer.input_layernorm, "hook_resid_pre"), (layer.post_attention_layernorm, "hook_resid_mid"))
+        for norm, stream in pairs:
+            x = cache[f"layers.{i}.{stream}"].double()  # [B, T, D]
+            expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+            name = "ln1" if stream == "hook_resid_pre" else "ln2"
+            torch.testing.assert_close(cache[name, i].double(), expected, rtol=1e-5, atol=1e-5)
+    halved = lambda x, hook: x * 0.5
+    with model.hooks(fwd_hooks=[("blocks.2.ln2.hook_normalized", halved)]):
+        _, edited = model.run_with_cache(ids, names=["layers.2.mlp.gate.hook_logits", "layers.2.hook_mlp_out"])
+    torch.testing.assert_close(edited["layers.2.mlp.gate.hook_logits"], cache["layers.2.mlp.gate.hook_logits"] * 0.5,
+                               rtol=1e-4, atol=1e-5)  # the router is linear in its input
+    assert not torch.allclose(edited["layers.2.hook_mlp_out"], cache["layers.2.hook_mlp_out"])
