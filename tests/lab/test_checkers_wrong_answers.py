@@ -37,28 +37,21 @@ def pairs_in(ranks, parts):
     return [(ranks[parts[i] + parts[i + 1]], i) for i in range(len(parts) - 1) if parts[i] + parts[i + 1] in ranks]
 
 
-def bpe(ranks, piece):
-    parts = [piece[i:i + 1] for i in range(len(piece))]
-    while pairs := pairs_in(ranks, parts):
-        _, i = min(pairs)
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
-    return parts
+def merging(choose):
+    """Rank-BPE that merges the pair ``choose`` picks among the (rank, position) pairs present: the right rule with
+    ``min`` (lowest rank first), and two wrong ones a learner writes."""
+    def bpe(ranks, piece):
+        parts = [piece[i:i + 1] for i in range(len(piece))]
+        while pairs := pairs_in(ranks, parts):
+            _, i = choose(pairs)
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        return parts
+    return bpe
 
 
-def bpe_highest_rank_first(ranks, piece):
-    parts = [piece[i:i + 1] for i in range(len(piece))]
-    while pairs := pairs_in(ranks, parts):
-        _, i = max(pairs)
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
-    return parts
-
-
-def bpe_first_pair_from_the_left(ranks, piece):
-    parts = [piece[i:i + 1] for i in range(len(piece))]
-    while pairs := pairs_in(ranks, parts):
-        i = min(i for _, i in pairs)
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
-    return parts
+bpe = merging(min)
+bpe_highest_rank_first = merging(max)
+bpe_first_pair_from_the_left = merging(lambda pairs: min(pairs, key=lambda pair: pair[1]))
 
 
 def bpe_longest_match(ranks, piece):
