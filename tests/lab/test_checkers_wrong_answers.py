@@ -37,14 +37,15 @@ def pairs_in(ranks, parts):
     return [(ranks[parts[i] + parts[i + 1]], i) for i in range(len(parts) - 1) if parts[i] + parts[i + 1] in ranks]
 
 
-def merging(choose):
-    """Rank-BPE that merges the pair ``choose`` picks among the (rank, position) pairs present: the right rule with
-    ``min`` (lowest rank first), and two wrong ones a learner writes."""
+def merging(choose, at_most=None):
+    """Rank-BPE that merges the pair ``choose`` picks among the (rank, position) pairs present, ``at_most`` times
+    (None: until no pair is left): the right rule with ``min`` (lowest rank first), and wrong ones a learner writes."""
     def bpe(ranks, piece):
-        parts = [piece[i:i + 1] for i in range(len(piece))]
-        while pairs := pairs_in(ranks, parts):
+        parts, merges = [piece[i:i + 1] for i in range(len(piece))], 0
+        while (pairs := pairs_in(ranks, parts)) and merges != at_most:
             _, i = choose(pairs)
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
+            merges += 1
         return parts
     return bpe
 
@@ -52,6 +53,7 @@ def merging(choose):
 bpe = merging(min)
 bpe_highest_rank_first = merging(max)
 bpe_first_pair_from_the_left = merging(lambda pairs: min(pairs, key=lambda pair: pair[1]))
+bpe_one_merge = merging(min, at_most=1)
 
 
 def bpe_longest_match(ranks, piece):
@@ -60,14 +62,6 @@ def bpe_longest_match(ranks, piece):
         n = max(n for n in range(1, len(piece) + 1) if piece[:n] in ranks)
         parts.append(piece[:n])
         piece = piece[n:]
-    return parts
-
-
-def bpe_one_merge(ranks, piece):
-    parts = [piece[i:i + 1] for i in range(len(piece))]
-    if pairs := pairs_in(ranks, parts):
-        _, i = min(pairs)
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
     return parts
 
 
