@@ -30,7 +30,8 @@ def pattern_figure(pattern: torch.Tensor, tokens: Sequence[str], head_labels: Se
         fig.add_trace(go.Heatmap(z=z, x=labels, y=labels[-pattern.shape[1]:], coloraxis="coloraxis",
                                  hovertemplate="query %{y}<br>key %{x}<br>%{z:.3f}<extra></extra>"),
                       row=h // cols + 1, col=h % cols + 1)
-    fig.update_yaxes(autorange="reversed", showticklabels=False, dtick=1)
+    # every token's label while they fit (about 22 in a panel's height); beyond that every k-th, so none overlap
+    fig.update_yaxes(autorange="reversed", showticklabels=False, dtick=max(1, -(-pattern.shape[1] // 22)))
     fig.update_xaxes(showticklabels=False)
     fig.update_yaxes(showticklabels=True, col=1)
     fig.update_layout(coloraxis=dict(colorscale=SEQUENTIAL, cmin=0, cmax=1, colorbar=dict(title="weight")))

@@ -9,6 +9,8 @@ from .style import show_whitespace
 
 # Pastel backgrounds that keep black text readable; neighbours always differ.
 PALETTE = ("#fde2e4", "#e2ecf9", "#e4f4e1", "#fff1c9", "#efe3f7", "#dff3f4", "#fbe7d6")
+# The text colour is set, not inherited: JupyterLab's dark theme writes near-white text, unreadable on pastels.
+TEXT, LABEL = "#1a1a1a", "#4a4a4a"
 
 
 def spans_html(pieces: Sequence[tuple[str, str | None]]) -> str:
@@ -17,10 +19,11 @@ def spans_html(pieces: Sequence[tuple[str, str | None]]) -> str:
     cells = []
     for i, (text, label) in enumerate(pieces):
         shown = html.escape(show_whitespace(text))
-        sub = f'<span style="display:block;font-size:9px;color:#555">{html.escape(label)}</span>' if label else ""
+        sub = f'<span style="display:block;font-size:9px;color:{LABEL}">{html.escape(label)}</span>' if label else ""
         cells.append(
             f'<span style="display:inline-block;margin:1px;padding:1px 3px;border-radius:3px;'
-            f'background:{PALETTE[i % len(PALETTE)]};font-family:monospace;white-space:pre;text-align:center">'
+            f'background:{PALETTE[i % len(PALETTE)]};color:{TEXT};'
+            f'font-family:monospace;white-space:pre;text-align:center">'
             f"{shown}{sub}</span>"
         )
     return f'<div style="line-height:1.9">{"".join(cells)}</div>'

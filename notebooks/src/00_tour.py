@@ -6,6 +6,12 @@
 # and, from block 1 on, a *mixture of experts* (MoE) that sends every token to 8 of 384 small feed-forward
 # networks plus one shared one.
 #
+# *Sources.* The shapes are those of the released `config.json` of Kimi-K2-Instruct. Counted from it, K2 has
+# 1,026,408,232,448 parameters, and 32.9 billion are used per token if the embedding table and the output head are
+# counted whole (k2lab's `count_parameters` reproduces both; notebook [08](08_scale.ipynb)). The K2 report (2025,
+# Table 2) rounds to 1.04 trillion in all and gives 32.6 billion activated, without saying which tables its active
+# count includes.
+#
 # This lab runs the real architecture, written out in readable PyTorch (`k2lab`). On a laptop it runs
 # **K2-nano**, a 6-block miniature with every one of K2's switches, trained for 55 minutes on two CPU cores on
 # Python's own standard library, so expect it to write plausible-looking Python and little else. On a GPU node the
@@ -26,7 +32,7 @@
 #     n1["RMSNorm"] -- "[B, T, 7168]" --> mla["MLA (03): c_Q [B, T, 1536], c_KV [B, T, 512] + k_pe [B, T, 64],<br/>heads [B, T, 64, 192], rotated by RoPE/YaRN (02)"]
 #     mla -- "attn_out [B, T, 7168]" --> a1(("+"))
 #     a1 -- "[B, T, 7168]" --> n2["RMSNorm"]
-#     n2 -- "[B, T, 7168]" --> ffn["block 0: dense SwiGLU<br/>blocks 1-60: router (04) picks 8 of 384 [B, T, 8],<br/>experts [B, T, 8, 7168] + shared expert"]
+#     n2 -- "[B, T, 7168]" --> ffn["block 0: dense SwiGLU<br/>blocks 1-60: router (04a) picks 8 of 384 [B, T, 8],<br/>experts [B, T, 8, 7168] + shared expert"]
 #     ffn -- "mlp_out [B, T, 7168]" --> a2(("+"))
 #   end
 #   blk -- "x [B, T, 7168]" --> norm["final RMSNorm"]
@@ -41,7 +47,7 @@
 # | [01 tokens](01_tokens.ipynb) | text to token ids: the pre-tokenizer, BPE, special tokens, the chat template |
 # | [02 yarn](02_yarn.ipynb) | rotary positions and YaRN's stretch from 4K to 128K tokens |
 # | [03 mla](03_mla.ipynb) | multi-head latent attention, naive and absorbed, and its small KV cache |
-# | [04 router](04_router.ipynb) | how the sigmoid router with its correction bias picks experts |
+# | [04a router](04a_router.ipynb) | how the sigmoid router with its correction bias picks experts |
 # | [04b block](04b_block.ipynb) | the pre-norm block by hand: RMSNorm, residuals, SwiGLU, shared expert, MoE combine |
 # | [05 expert load](05_expert_load.ipynb) | load balance, specialisation and co-activation of the experts |
 # | [06 logits](06_logits.ipynb) | from the residual stream to the next token: logit lens and attribution |
@@ -50,8 +56,12 @@
 # | [09 full model](09_full_model.ipynb) | the full K2 with probes, on a GPU node |
 # | [10 training](10_training.ipynb) | how K2-nano was trained: MuonClip, QK-Clip, bias balancing |
 #
-# Every notebook ends with exercises (predict, then run; change a knob; write a piece yourself, checked by
-# `k2lab.lab.exercises`), and their solutions in collapsed cells.
+# Every notebook has exercises, each marked ★ (a minute), ★★ (a few lines to think through) or ★★★ (a piece of the
+# model): predict, then run; change a knob; or write a piece yourself, checked by `k2lab.lab.exercises`, which runs
+# your function against k2lab and names the mistake it recognises. Each exercise is followed by a folded hint and a
+# folded solution (click to open; the solution's code and output stay hidden until you open them too). The pieces
+# you write add up: your BPE (01), your rotation and YaRN (02), your MLA from its weights (03), and onwards, until
+# your own code computes K2-nano's logits.
 
 # %% [markdown]
 # ## The model
@@ -126,9 +136,10 @@ for name in ["embed_tokens.hook_out", "layers.1.self_attn.hook_kv_latent",
 # ## 3. Attention through a latent
 #
 # [MLA](GLOSSARY.md#mla) compresses what each token offers to later tokens into one small
-# [latent](GLOSSARY.md#latent) vector (512 numbers in K2) plus one 64-number rotary key shared by all heads. Only these are cached while generating: 70,272 bytes per token
-# for all of K2's 61 layers, against 2.4 MiB if every head's keys and values were cached
-# ([03 mla](03_mla.ipynb)).
+# [latent](GLOSSARY.md#latent) vector (512 numbers in K2) plus one 64-number rotary key shared by all heads. Only
+# these are cached while generating: 70,272 bytes per token for all of K2's 61 layers, against 2.4 MiB if every
+# head's keys and values were cached, as the release's own `modeling_deepseek.py` does (both from the released
+# config's widths; [03 mla](03_mla.ipynb) derives them).
 
 # %%
 kv = model.new_cache(batch_size=1)
@@ -144,7 +155,7 @@ print(f"{per_token:,} bytes per token here; K2: {k2lab.kv_cache_bytes(k2, 1):,} 
 # In every [MoE](GLOSSARY.md#moe) block a [router](GLOSSARY.md#router) scores all experts for each token and keeps
 # the top k. Here is what the prompt's
 # last token chose in each layer, with the weights its experts' outputs were mixed by
-# ([04 router](04_router.ipynb)):
+# ([04a router](04a_router.ipynb)):
 
 # %%
 from k2lab import routing
@@ -201,19 +212,54 @@ print(prompt + tok.decode(out[0, ids.shape[1]:]))
 #
 # ## Exercises
 #
-# **1. Predict, then run.** K2-nano caches (kv_lora_rank + qk_rope_head_dim) = 32 + 16 values per token per layer,
-# in float32, over 6 layers. How many bytes per token is that, and how many for this prompt? Work it out, then
-# compare with `kv.nbytes` above.
+# ### Exercise 1 ★ · Predict, then run
 #
-# **2. Change a knob.** Generate 24 tokens with `temperature=0.8, seed=0`, then with `temperature=0.8, seed=1`.
-# Predict: do the greedy loops survive sampling?
+# In step 5 the model's top guess after the prompt was ` r`. Which token does greedy generation in step 7 write
+# first? Could it be any other? Predict, then compare `out[0, ids.shape[1]]` with the top guess.
+
+# %%
+# your code here
+
+# %% [markdown] tags=["hint"]
+# Greedy decoding takes the argmax of the last position's logits. Which logits did step 5 read?
+
+# %% [markdown] tags=["solution"]
+# The same: the first generated token is the argmax of exactly the logits step 5 read (the prompt's last position),
+# so it must be the top guess, whatever its probability. Only from the second token on does generation read logits
+# that step 5 never computed. (The cache changes how the logits are computed, not what they are.)
+
+# %% tags=["solution"]
+first = out[0, ids.shape[1]].item()
+print(f"top guess {tok.id_to_piece(top.indices[0].item())!r}, first generated {tok.id_to_piece(first)!r}: "
+      f"{first == top.indices[0].item()}")
+
+# %% [markdown]
+# ### Exercise 2 ★ · Change a knob
+#
+# Generate 24 tokens with `temperature=0.8, seed=0`, then with `temperature=0.8, seed=1`. Predict: do the greedy
+# loops survive sampling?
 
 # %%
 # your code here: k2lab.generate(model, ids, max_new_tokens=24, temperature=0.8, seed=0)
 
+# %% [markdown] tags=["hint"]
+# With a temperature, each token is drawn from the softmax of the logits divided by 0.8. How likely is the loop's
+# next token, and how many draws does it take for a less likely one to be picked?
+
+# %% [markdown] tags=["solution"]
+# Sampling draws each token from the softmax instead of taking its maximum, so a loop is broken as soon as a less
+# likely token is drawn; the text wanders instead.
+
+# %% tags=["solution"]
+for seed in (0, 1):
+    sampled = k2lab.generate(model, ids, max_new_tokens=24, temperature=0.8, seed=seed)
+    print(f"seed {seed}: {tok.decode(sampled[0, ids.shape[1]:])!r}")
+
 # %% [markdown]
-# **3. Write it yourself: greedy decoding.** Without the cache: run the model on the ids, take the argmax of the
-# last position's logits, append it, repeat. `check_greedy` compares your tokens with `k2lab.generate`'s.
+# ### Exercise 3 ★ · Write it yourself: greedy decoding
+#
+# Without the cache: run the model on the ids, take the argmax of the last position's logits, append it, repeat.
+# `check_greedy` compares your tokens with `k2lab.generate`'s.
 
 # %%
 from k2lab.lab import exercises
@@ -226,27 +272,12 @@ def my_greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
 
 print(exercises.check_greedy(my_greedy, model, ids))
 
-# %% [markdown]
-# ## Solutions
-#
-# **1.** (32 + 16) values × 4 bytes × 6 layers = 1,152 bytes per token; times the prompt's tokens:
+# %% [markdown] tags=["hint"]
+# `model(ids)` returns logits [1, T, V]; `[:, -1].argmax(-1, keepdim=True)` is the next id as [1, 1]; `torch.cat`
+# it to `ids` along dimension 1, in a loop of `new_tokens` steps.
 
-# %% tags=["solution"]
-cfg = model.config
-per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * model.dtype.itemsize * len(model.layers)
-print(f"{per_token:,} bytes per token x {ids.shape[1]} tokens = {per_token * ids.shape[1]:,}; kv.nbytes = {kv.nbytes:,}")
-
-# %% [markdown]
-# **2.** Sampling draws each token from the softmax instead of taking its maximum, so a loop is broken as soon as
-# a less likely token is drawn; the text wanders instead.
-
-# %% tags=["solution"]
-for seed in (0, 1):
-    sampled = k2lab.generate(model, ids, max_new_tokens=24, temperature=0.8, seed=seed)
-    print(f"seed {seed}: {tok.decode(sampled[0, ids.shape[1]:])!r}")
-
-# %% [markdown]
-# **3.** Each step runs the whole sequence again (the cache exists to avoid exactly that):
+# %% [markdown] tags=["solution"]
+# Each step runs the whole sequence again (the cache exists to avoid exactly that):
 
 # %% tags=["solution"]
 def my_greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:

@@ -1,29 +1,12 @@
 # %% [markdown]
 # # 03 · Multi-head latent attention
 #
-# In ordinary multi-head attention every token writes a key and a value **per head** into the
-# [KV cache](GLOSSARY.md#kv-cache). For K2
-# (64 heads, keys of 192 features, values of 128) that would be 64 × 320 = 20,480 numbers per token per layer.
-# MLA caches a compressed **[latent](GLOSSARY.md#latent)** instead, and rebuilds each head's keys and values from
-# it.
-#
-# Per token x (width D = 7,168), one MLA layer computes:
-#
-# | step | formula | K2 shape |
-# | --- | --- | --- |
-# | query latent | c_Q = RMSNorm(W_DQ x) | 1,536 |
-# | queries | [q_nope; q_pe] = W_UQ c_Q, per head | 64 × (128 + 64) |
-# | key-value latent and rotary key | [c_KV; k_pe] = W_DKV x, then c_KV = RMSNorm(c_KV) | 512 + 64 |
-# | keys and values | k_nope = W_UK c_KV, v = W_UV c_KV, per head | 64 × (128 + 128) |
-# | rotary key | k_pe is **one** 64-feature key shared by all heads, rotated once | 64 |
-#
-# The score of query t and key s in head h has two terms, the *content part* and the
-# *[rotary part](GLOSSARY.md#rotary-part)*. Both are computed from the tokens; only the rotary part is also turned
-# by RoPE, by an angle that depends on the position ([02](02_yarn.ipynb)):
-#
-# $$\text{score}_h(t, s) = \text{scale}\cdot\big(q^{nope}_{h,t}\cdot k^{nope}_{h,s} + q^{pe}_{h,t}\cdot k^{pe}_{s}\big).$$
-#
-# Only c_KV and the rotated k_pe are cached: 512 + 64 = 576 numbers per token per layer.
+# When a model generates, each new token attends over every token before it. Recomputing all their keys and values at
+# every step would be wasteful, so they are kept in the [KV cache](GLOSSARY.md#kv-cache), and at long context the
+# cache, not the weights, decides how many sequences fit on a GPU and how fast each step runs: every decode step reads
+# all of it. This notebook follows the answers to "how small can the cache be?" from ordinary attention to K2's
+# **multi-head latent attention** ([MLA](GLOSSARY.md#mla)), then has you write MLA from its weights, twice: as the
+# formulas read, and in the *absorbed* form that decodes from the small cache.
 
 # %% tags=["parameters"]
 from k2lab import lab
@@ -34,27 +17,296 @@ model, tok, about = lab.load_model(settings)
 print(about)
 
 # %% [markdown]
-# ## The probes along the way
+# ## From MHA to MLA: what each token leaves in the cache
 #
-# Every intermediate above has a probe under `layers.{i}.self_attn`. Their shapes, for one prompt of T tokens:
+# * **Multi-head attention** (MHA, Vaswani et al. 2017): every head has its own key and value for every token. With
+#   K2's head shapes (64 heads, keys of 192 features, values of 128) that is 64 × (192 + 128) = 20,480 numbers per
+#   token per layer.
+# * **Multi-query attention** (MQA, Shazeer 2019): all query heads share ONE key and one value per token: 64 times
+#   less cache, at a cost in quality, since every head must read the same keys.
+# * **Grouped-query attention** (GQA, Ainslie et al. 2023): a middle way, G groups of heads, each group sharing a key
+#   and a value.
+# * **Multi-head latent attention** (MLA, the DeepSeek-V2 paper, 2024): cache one compressed vector per token, the
+#   **[latent](GLOSSARY.md#latent)** c_KV (512 numbers in K2), and rebuild every head's key and value from it with a
+#   learned matrix; plus ONE 64-number rotary key shared by all heads (why it is separate is explained below). Every
+#   head still gets keys and values of its own, as in MHA, from a cache about the size of MQA's.
+#
+# The DeepSeek-V2 paper tabulates these caches per token and reports ablations in its appendix: on its dense models
+# MHA beat GQA and MQA, and on its MoE models MLA scored better than MHA while caching a small fraction of MHA's
+# cache. K2 takes MLA over from DeepSeek-V3 (the K2 report, §2.3, with the same latent and head widths in the
+# released `config.json`), but with 64 heads instead of DeepSeek-V3's 128, which the report explains by the attention
+# cost at long context. What the sources leave unsaid: the ablations are DeepSeek's, on DeepSeek's models and
+# benchmarks; they show *that* MLA did better, not *why*; and the K2 report runs no attention ablation of its own.
+#
+# ### Exercise 1 ★ · Write it yourself: the cache's bytes
+#
+# `my_kv_cache_bytes(cfg, tokens)`: the bytes of MLA's cache in bfloat16 (2 bytes a number), over all layers, for
+# `tokens` positions. Per token and layer MLA caches `kv_lora_rank` + `qk_rope_head_dim` numbers. The check compares
+# with `k2lab.kv_cache_bytes` for K2 and K2-nano, and names the usual slips (one layer only, 4 bytes a number, k_pe or
+# c_KV forgotten, the expanded cache).
+
+# %%
+import torch
+
+import k2lab
+from k2lab import K2Config
+from k2lab.lab import exercises
+
+k2 = K2Config.kimi_k2()
+
+
+def my_kv_cache_bytes(cfg: K2Config, tokens: int) -> int:
+    """bytes of the latent KV cache (bfloat16) for ``tokens`` positions, all layers"""
+    raise NotImplementedError
+
+
+print(exercises.check_kv_cache_bytes(my_kv_cache_bytes))
+
+# %% [markdown] tags=["hint"]
+# Numbers per token and layer, times 2 bytes, times `cfg.num_hidden_layers`, times `tokens`.
+
+# %% [markdown] tags=["solution"]
+# (512 + 64) numbers × 2 bytes × 61 layers = 70,272 bytes per token for K2:
+
+# %% tags=["solution"]
+def my_kv_cache_bytes(cfg: K2Config, tokens: int) -> int:
+    return tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * cfg.num_hidden_layers
+
+
+assert exercises.check_kv_cache_bytes(my_kv_cache_bytes)
+print(exercises.check_kv_cache_bytes(my_kv_cache_bytes))
+
+# %% [markdown]
+# With your function for MLA and the same arithmetic for the others, K2's shapes under each scheme (bfloat16, all 61
+# layers; GQA with 8 groups, a common choice):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-import torch
-
-ids = model.to_tokens(lab.PROMPT)  # [B=1, T] on the model's device: the lab's running prompt
-tokens = [tok.id_to_piece(i) for i in ids[0].tolist()]
-logits, cache = model.run_with_cache(ids, names=".self_attn.")
-for probe in ["hook_q_latent", "hook_q_nope", "hook_rot_q_pe", "hook_kv_latent", "hook_rot_k_pe",
-              "hook_pattern", "hook_z"]:
-    print(f"layers.1.self_attn.{probe:<16} {list(cache[f'layers.1.self_attn.{probe}'].shape)}")
+H, L = k2.num_attention_heads, k2.num_hidden_layers
+per_head = k2.qk_head_dim + k2.v_head_dim  # 192 + 128 numbers: one head's key and value
+schemes = {"MHA (64 heads)": H * per_head * 2 * L, "GQA (8 groups)": 8 * per_head * 2 * L,
+           "MQA (1 group)": per_head * 2 * L, "MLA (c_KV + k_pe)": my_kv_cache_bytes(k2, 1)}
+for name, nbytes in schemes.items():
+    print(f"{name:<18} {nbytes:>10,} bytes per token, {nbytes * 131_072 / 2**30:6.1f} GiB at 131,072 tokens")
+print(f"k2lab.kv_cache_bytes: latent {k2lab.kv_cache_bytes(k2, 1):,}, expanded {k2lab.kv_cache_bytes(k2, 1, layout='expanded'):,}")
 
 # %% [markdown]
-# ## Naive and absorbed attention
+# MLA's 70,272 bytes sit between MQA and GQA with 2 groups, 36 times less than MHA's 2.38 MiB. Both are arithmetic on
+# the released config; the 2.38 MiB is also what the release's own `modeling_deepseek.py` caches, since it expands
+# and stores every head's keys and values. Which of the two Moonshot's own serving stack keeps, the sources do not
+# say.
 #
-# The **naive** path expands the latents into every head's keys and values for the whole context, then attends
-# as usual. The **[absorbed](GLOSSARY.md#absorption)** path never builds them. Write W_UK,h [N × C] and
-# W_UV,h [V × C] for head h's two blocks of `kv_b_proj`, so that k_nope = W_UK,h c_s and v = W_UV,h c_s.
+# K2-nano's own cache object holds the same (C + R) numbers per token and layer, in float32:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+ids = model.to_tokens(lab.PROMPT)  # [B=1, T] on the model's device: the lab's running prompt
+kv = model.new_cache(batch_size=1)
+model(ids, cache=kv)
+print(kv)
+width = model.config.kv_lora_rank + model.config.qk_rope_head_dim  # C + R
+print(f"{kv.nbytes // kv.length:,} bytes per token = {width} values x {kv.dtype.itemsize} bytes x "
+      f"{len(model.layers)} layers")
+
+# %% [markdown]
+# ## MLA, step by step
+#
+# Per token x (width D = 7,168 in K2), one MLA layer computes, with the checkpoint's tensor names:
+#
+# | step | weights | formula | K2 shape |
+# | --- | --- | --- | --- |
+# | query latent | `q_a_proj`, `q_a_layernorm` | c_Q = RMSNorm(W_DQ x) | 1,536 |
+# | queries | `q_b_proj` | [q_nope; q_pe] = W_UQ c_Q, per head | 64 × (128 + 64) |
+# | key-value latent, rotary key | `kv_a_proj_with_mqa` | [c_KV; k_pe] = W_DKV x | 512 + 64 |
+# | normalised latent | `kv_a_layernorm` | c_KV = RMSNorm(c_KV) | 512 |
+# | keys and values | `kv_b_proj` | [k_nope; v] = [W_UK; W_UV] c_KV, per head | 64 × (128 + 128) |
+# | rotation | (RoPE, notebook [02](02_yarn.ipynb)) | q_pe and k_pe turned by position | 64 × 64, 64 |
+# | scores | | scale · (q_nope · k_nope + q_pe · k_pe), causal | 64 × T × T |
+# | output | `o_proj` | o_proj(concat_h softmax(scores_h) v_h) | 7,168 |
+#
+# k_pe is **one** 64-feature key shared by all heads (the `_with_mqa` in the name: the rotary part is multi-query).
+# The score of query t and key s in head h has two terms, the *content part* and the
+# *[rotary part](GLOSSARY.md#rotary-part)*; only the rotary part is turned by RoPE:
+#
+# $$\text{score}_h(t, s) = \text{scale}\cdot\big(q^{nope}_{h,t}\cdot k^{nope}_{h,s} + q^{pe}_{h,t}\cdot k^{pe}_{s}\big),
+#   \qquad \text{scale} = 192^{-1/2}\, m^2 \ \text{(notebook 02)}.$$
+#
+# Only c_KV and the rotated k_pe are cached: 512 + 64 = 576 numbers per token per layer. Every intermediate has a probe
+# under `layers.{i}.self_attn`; their shapes in K2-nano (4 heads of 32 + 16, latents of 48 and 32), for the running
+# prompt:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+tokens = [tok.id_to_piece(i) for i in ids[0].tolist()]
+logits, cache = model.run_with_cache(ids, names=[".self_attn.", "input_layernorm.hook_out", "hook_attn_out"])
+for probe in ["hook_q_latent", "hook_q_nope", "hook_q_pe", "hook_kv_latent", "hook_k_pe", "hook_rot_k_pe",
+              "hook_pattern", "hook_z"]:
+    print(f"layers.1.self_attn.{probe:<16} {list(cache[f'layers.1.self_attn.{probe}'].shape)}")
+print({name: list(t.shape) for name, t in model.layers[1].self_attn.state_dict().items()})
+
+# %% [markdown]
+# ### The rotary features, as the checkpoint stores them
+#
+# In 02 you wrote `my_rotate` for the rotate-half layout, each pair (x_i, x_{i+R/2}). The checkpoint's projections
+# write each pair as neighbours instead, (x_0, x_1), (x_2, x_3), ..., and the released code de-interleaves them
+# before rotating: `x.view(..., R/2, 2).transpose(-1, -2).reshape(..., R)` puts the evens first, then the odds.
+# Your two pieces from 02 are copied below (replace them with your own); with them, the model's rotated shared key
+# `hook_rot_k_pe` is your rotation of its de-interleaved `hook_k_pe`:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+import math
+
+from k2lab.model import rope
+
+
+def my_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:  # from 02
+    angles = positions[:, None].float() * inv_freq
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([a * angles.cos() - b * angles.sin(), a * angles.sin() + b * angles.cos()], dim=-1)
+
+
+def my_yarn(cfg: K2Config) -> tuple[torch.Tensor, float]:  # from 02
+    R, base, s, L0 = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_max_position_embeddings
+    base_freq = 1.0 / base ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
+    d = lambda beta: R * math.log(L0 / (2 * math.pi * beta)) / (2 * math.log(base))
+    low, high = max(math.floor(d(cfg.beta_fast)), 0), min(math.ceil(d(cfg.beta_slow)), R - 1)
+    high = high + 0.001 if high == low else high
+    ramp = ((torch.arange(R // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    m = 0.1 * cfg.mscale_all_dim * math.log(s) + 1
+    return base_freq / s * ramp + base_freq * (1 - ramp), cfg.qk_head_dim**-0.5 * m**2
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): the checkpoint's neighbour pairs to the rotate-half layout."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+cfg = model.config
+positions = torch.arange(ids.shape[1])
+inv_freq = my_yarn(cfg)[0].float()
+k_pe = cache["layers.1.self_attn.hook_k_pe"][0].float().cpu()  # [T, R] as kv_a_proj_with_mqa wrote it
+mine = my_rotate(deinterleave(k_pe), positions, inv_freq)
+print("my_rotate(deinterleave(k_pe)) == hook_rot_k_pe:",
+      torch.allclose(mine, cache["layers.1.self_attn.hook_rot_k_pe"][0].float().cpu(), atol=1e-5))
+
+# %% [markdown]
+# Your `my_rotate` computed cos and sin of p·θ_i itself. The model computes them once per forward pass for all its
+# layers and hands each attention layer `cos, sin` of shape [T, R] (each pair's angle written twice, for x_i and for
+# x_{i+R/2}). The same rotation from them is `x * cos + rotate_half(x) * sin`, with `rotate_half(x)` = [−x_{second
+# half}, x_{first half}]:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """my_rotate, from precomputed cos and sin [T, R] (broadcast against x)."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+angles = torch.cat([positions[:, None].float() * inv_freq] * 2, dim=-1)  # [T, R]: each pair's angle, twice
+factor = rope.cos_sin_scale(cfg)  # YaRN's factor on cos and sin: 1.0 for K2 and K2-nano (notebook 02)
+cos, sin = angles.cos() * factor, angles.sin() * factor
+print("turn(x, cos, sin) == my_rotate(x, positions, inv_freq):",
+      torch.allclose(turn(deinterleave(k_pe), cos, sin), mine, atol=1e-6))
+
+# %% [markdown]
+# ### Exercise 2 ★★★ · Write it yourself: MLA from the weights
+#
+# `my_mla(w, cfg, hidden, cos, sin)`: one MLA layer's output [B, T, D] for `hidden` [B, T, D], from the weights `w`
+# (a dict under the checkpoint's names: `q_a_proj.weight`, `q_a_layernorm.weight`, `q_b_proj.weight`,
+# `kv_a_proj_with_mqa.weight`, `kv_a_layernorm.weight`, `kv_b_proj.weight`, `o_proj.weight`; a weight is
+# [out, in], so a projection is `x @ W.T`). The config gives the widths (`num_attention_heads`, `qk_nope_head_dim`,
+# `qk_rope_head_dim`, `v_head_dim`, `kv_lora_rank`), `rms_norm_eps` and `softmax_scale` (yours from 02 gives the same).
+# `cos, sin` [T, R] are for the de-interleaved layout; queries attend causally. Follow the table row by row; `turn`
+# and `deinterleave` above are yours to use.
+#
+# The check runs your function on random weights and names the slip it recognises: a norm forgotten, the nope/rope
+# or c_KV/k_pe or k_nope/v split taken the wrong way round, no de-interleave, no rotation, or the rotation backwards,
+# no causal mask, a wrong scale (m forgotten or not squared, N instead of N + R), the softmax over the wrong axis,
+# o_proj forgotten.
+
+# %%
+def my_mla(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> torch.Tensor:
+    """hidden [B, T, D] -> [B, T, D], naive MLA from the weights"""
+    raise NotImplementedError
+
+
+print(exercises.check_mla_forward(my_mla))
+
+# %% [markdown] tags=["hint"]
+# RMSNorm is `x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight`. Shape the queries as
+# `.view(B, T, H, N + R)` and split `[..., :N]`, `[..., N:]`; `kv_a_proj_with_mqa` gives `[..., :C]` (the latent) then
+# `[..., C:]` (k_pe, [B, T, R], no head axis); `kv_b_proj` of the normed latent `.view(B, T, H, N + V)` splits into
+# k_nope and v. Rotate `deinterleave(q_pe)` with `cos[:, None], sin[:, None]` (a head axis to broadcast over) and
+# `deinterleave(k_pe)` with `cos, sin`. Scores `einsum("bthn,bshn->bhts")` plus `einsum("bthr,bsr->bhts")`; mask with
+# `torch.ones(T, T, dtype=torch.bool).tril()`; softmax over the keys (the last axis); `einsum("bhts,bshv->bthv")`,
+# flatten the heads, `o_proj`.
+
+# %% [markdown] tags=["solution"]
+# The table, row by row. The only subtle lines are the splits (each widths' order is the checkpoint's) and the shared
+# k_pe, which has no head axis: the einsum for the rotary term broadcasts it over the heads.
+
+# %% tags=["solution"]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def mla_inputs(w, cfg, hidden, cos, sin):
+    """q_nope [B, T, H, N], rotated q_pe [B, T, H, R], c_KV [B, T, C], rotated k_pe [B, T, R]."""
+    H, N, R, C = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    B, T, _ = hidden.shape
+    c_q = rms_norm(hidden @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"], cfg.rms_norm_eps)
+    q = (c_q @ w["q_b_proj.weight"].T).view(B, T, H, N + R)
+    q_nope, q_pe = q[..., :N], turn(deinterleave(q[..., N:]), cos[:, None], sin[:, None])
+    kv_a = hidden @ w["kv_a_proj_with_mqa.weight"].T  # [B, T, C + R]
+    c_kv = rms_norm(kv_a[..., :C], w["kv_a_layernorm.weight"], cfg.rms_norm_eps)
+    k_pe = turn(deinterleave(kv_a[..., C:]), cos, sin)  # ONE rotary key per position, shared by the heads
+    return q_nope, q_pe, c_kv, k_pe
+
+
+def my_mla(w, cfg, hidden, cos, sin):
+    H, N, V = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    B, T, _ = hidden.shape
+    q_nope, q_pe, c_kv, k_pe = mla_inputs(w, cfg, hidden, cos, sin)
+    kv = (c_kv @ w["kv_b_proj.weight"].T).view(B, T, H, N + V)  # every head's keys and values, expanded
+    k_nope, v = kv[..., :N], kv[..., N:]
+    scores = torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
+    causal = torch.ones(T, T, dtype=torch.bool, device=hidden.device).tril()
+    pattern = (scores * cfg.softmax_scale).masked_fill(~causal, -torch.inf).softmax(-1)  # [B, H, T, S]
+    z = torch.einsum("bhts,bshv->bthv", pattern, v).flatten(2)  # [B, T, H*V]
+    return z @ w["o_proj.weight"].T
+
+
+assert exercises.check_mla_forward(my_mla)
+print(exercises.check_mla_forward(my_mla))
+
+# %% [markdown]
+# ### Your MLA inside K2-nano
+#
+# The check used random weights. Now the real thing: layer 1 of the model, its weights from its `state_dict`, its
+# input the recorded output of the block's first norm, cos and sin from **your** YaRN frequencies of 02; your output
+# against the recorded `layers.1.hook_attn_out`:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+attn = model.layers[1].self_attn
+w = {name: t.detach().float().cpu() for name, t in attn.state_dict().items()}
+hidden = cache["layers.1.input_layernorm.hook_out"].float().cpu()  # [1, T, D]
+out = my_mla(w, cfg, hidden, cos, sin)
+reference = cache["layers.1.hook_attn_out"].float().cpu()
+gap = (out - reference).abs().max().item()
+tolerance = 1e-5 if model.dtype == torch.float32 else 3e-2  # a bfloat16 model computed the reference more coarsely
+print(f"your MLA == layer 1's attention: {gap <= tolerance * max(1.0, reference.abs().max().item())}")
+
+# %% [markdown]
+# ## The absorbed form: attention over the cache itself
+#
+# `my_mla` expands the latent into every head's keys and values, for the whole context, at every step: exactly the
+# work (and, if cached, the memory) MLA set out to avoid. The **[absorbed](GLOSSARY.md#absorption)** form never
+# builds them. Write W_UK,h [N × C] and W_UV,h [V × C] for head h's two blocks of `kv_b_proj`, so that
+# k_nope = W_UK,h c_s and v = W_UV,h c_s.
 #
 # **Fold 1: W_UK into the query.** For the content part of the score,
 #
@@ -64,43 +316,123 @@ for probe in ["hook_q_latent", "hook_q_nope", "hook_rot_q_pe", "hook_kv_latent",
 # W_UK moves from every key (S of them) to the one query: each head's query is mapped into latent space once, and
 # scored directly against the cached latents.
 #
-# **Fold 2: W_UV after attention, into the output projection.** Head h's output is a weighted sum of values,
-# and W_UV,h is the same for every position s, so it comes out of the sum:
+# ### Exercise 3 ★★ · Write it yourself: the absorbed score
+#
+# Given the queries and the cached latents, compute every head's scaled scores **without building k_nope**: fold
+# W_UK into the query, add the rotary part, scale. The check watches every tensor your code makes: a per-head key
+# built anyway, whole or one head at a time, fails it even when the scores are right.
+
+# %%
+def my_absorbed_score(q_nope, q_pe, c_kv, k_pe, w_uk, scale) -> torch.Tensor:
+    """q_nope [T, H, N], q_pe [T, H, R], c_kv [S, C], k_pe [S, R], w_uk [H, N, C] -> scores [H, T, S] (no mask)"""
+    raise NotImplementedError
+
+
+print(exercises.check_absorbed_score(my_absorbed_score))
+
+# %% [markdown] tags=["hint"]
+# `torch.einsum("thn,hnc->htc", q_nope, w_uk)` is every head's W_UKᵀ q, [H, T, C]; multiply by `c_kv.T` for the
+# content part. The rotary part needs no folding: `einsum("thr,sr->hts", q_pe, k_pe)`.
+
+# %% [markdown] tags=["solution"]
+# Map each head's query into latent space with W_UKᵀ, score against the latents, add the rotary part, scale the sum.
+# On layer 1's probes it reproduces the model's own scores:
+
+# %% tags=["solution"]
+def my_absorbed_score(q_nope, q_pe, c_kv, k_pe, w_uk, scale) -> torch.Tensor:
+    q_latent = torch.einsum("thn,hnc->htc", q_nope, w_uk)  # [H, T, C]
+    return scale * (q_latent @ c_kv.T + torch.einsum("thr,sr->hts", q_pe, k_pe))
+
+
+assert exercises.check_absorbed_score(my_absorbed_score)
+print(exercises.check_absorbed_score(my_absorbed_score))
+p = "layers.1.self_attn."
+w_uk = w["kv_b_proj.weight"].view(attn.num_heads, attn.nope_dim + attn.v_dim, -1)[:, :attn.nope_dim]  # [H, N, C]
+mine = my_absorbed_score(*(cache[p + name][0].float().cpu() for name in ("hook_q_nope", "hook_rot_q_pe",
+                                                                      "hook_kv_latent", "hook_rot_k_pe")),
+                         w_uk, attn.softmax_scale)
+scores = cache[p + "hook_attn_scores"][0].float().cpu()  # [H, T, S], -inf above the diagonal
+print(f"layer 1, all heads: max |mine - hook_attn_scores| = {(mine - scores)[scores.isfinite()].abs().max():.1e}")
+
+# %% [markdown]
+# **Fold 2: W_UV after attention.** Head h's output is a weighted sum of values, and W_UV,h is the same for every
+# position s, so it comes out of the sum:
 #
 # $$z_{h,t} = \sum_s p_{h,t,s}\, W_{UV,h}\, c_s = W_{UV,h}\Big(\sum_s p_{h,t,s}\, c_s\Big) = W_{UV,h}\,\bar c_{h,t}.$$
 #
-# The output projection then computes out_t = Σ_h W_O,h z_h,t = Σ_h (W_O,h W_UV,h) c̄_h,t: the product
-# W_O,h W_UV,h [D × C] could be multiplied once, ahead of time. (k2lab applies W_UV right after attention, which
-# is the same sum in another order.)
+# Attend over the latents themselves, then map the C-wide result to the head's V features. (The output projection
+# computes out_t = Σ_h W_O,h z_h,t = Σ_h (W_O,h W_UV,h) c̄_h,t, so W_O,h W_UV,h [D × C] could even be multiplied once,
+# ahead of time.)
 #
-# With both folds, attention runs over the 576-wide cached entries as one
-# [multi-query attention](GLOSSARY.md#mqa) shared by all heads. Each fold, on layer 1 of the running prompt:
+# **Both folds: one multi-query attention.** Put the folded query and the rotary query side by side, and the latent
+# and the rotary key side by side:
+#
+# $$\text{score}_h(t, s) = \text{scale}\cdot\big[\,W_{UK,h}^{\top} q^{nope}_{h,t}\,;\, q^{pe}_{h,t}\,\big]\cdot
+#   \big[\,c_s\,;\,k^{pe}_s\,\big].$$
+#
+# The key [c_s ; k_pe,s] (576 numbers in K2) is exactly the cache entry, the same for every head, and the value is its
+# first 512 numbers, c_s: this is **multi-query attention** with 576-wide keys and 512-wide values, over the cache as
+# it is stored. It is how DeepSeek's FlashMLA decode kernel computes MLA. And the scale stays 192^{-1/2}·m²: the
+# scores are the same numbers as the naive ones, the same sums regrouped, so the 576-wide vectors must not bring a
+# 576^{-1/2} of their own; the scale is part of the trained model, not of the width we happen to multiply in.
+#
+# ### Exercise 4 ★★★ · Write it yourself: absorbed MLA, as one multi-query attention
+#
+# `my_mla_absorbed(w, cfg, hidden, cos, sin)`: the same inputs and output as `my_mla`, computed as the one MQA above,
+# then W_UV and `o_proj`. It may not build any head's keys or values (the check watches every tensor, whole or sliced
+# by head), and it must give the naive output.
 
 # %%
-layer = 1
-attn, p = model.layers[layer].self_attn, f"layers.{layer}.self_attn."
+def my_mla_absorbed(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> torch.Tensor:
+    """hidden [B, T, D] -> [B, T, D], attending over [c_KV ; k_pe] without expanding it"""
+    raise NotImplementedError
+
+
+print(exercises.check_mla_forward(my_mla_absorbed, absorbed=True))
+
+# %% [markdown] tags=["hint"]
+# Reuse the first half of your `my_mla` (up to c_KV and the rotated k_pe). Split `kv_b_proj.weight` as
+# `.view(H, N + V, C)` into W_UK `[:, :N]` and W_UV `[:, N:]`. Query `torch.cat([einsum("bthn,hnc->bthc", q_nope,
+# W_UK), q_pe], -1)` [B, T, H, C + R]; key `torch.cat([c_kv, k_pe], -1)` [B, S, C + R]; scores
+# `einsum("bthc,bsc->bhts")` × `cfg.softmax_scale`, mask, softmax; latent output `einsum("bhts,bsc->bthc", pattern,
+# c_kv)`; then `einsum("bthc,hvc->bthv", ..., W_UV)`, flatten, `o_proj`.
+
+# %% [markdown] tags=["solution"]
+# The naive first half, then one MQA over the cache entries [c_KV ; k_pe] with c_KV as the values, then W_UV per head
+# and o_proj. Nothing of size [B, S, H, N] or [B, S, H, V] is ever made. Below it, fold 2 on layer 1's probes, and the
+# W_O·W_UV product multiplied ahead of time:
+
+# %% tags=["solution"]
+def my_mla_absorbed(w, cfg, hidden, cos, sin):
+    H, N, V, C = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    T = hidden.shape[1]
+    q_nope, q_pe, c_kv, k_pe = mla_inputs(w, cfg, hidden, cos, sin)
+    w_uk, w_uv = w["kv_b_proj.weight"].view(H, N + V, C).split([N, V], dim=1)  # [H, N, C], [H, V, C]
+    query = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w_uk), q_pe], dim=-1)  # [B, T, H, C + R]
+    keys = torch.cat([c_kv, k_pe], dim=-1)  # [B, S, C + R]: the cache entries, one per position, for every head
+    scores = torch.einsum("bthc,bsc->bhts", query, keys) * cfg.softmax_scale  # the naive scale: the same scores
+    causal = torch.ones(T, T, dtype=torch.bool, device=hidden.device).tril()
+    pattern = scores.masked_fill(~causal, -torch.inf).softmax(-1)
+    latent_out = torch.einsum("bhts,bsc->bthc", pattern, c_kv)  # attend over the latents themselves: [B, T, H, C]
+    z = torch.einsum("bthc,hvc->bthv", latent_out, w_uv)  # fold 2: W_UV after attention
+    return z.flatten(2) @ w["o_proj.weight"].T
+
+
+assert exercises.check_mla_forward(my_mla_absorbed, absorbed=True)
+print(exercises.check_mla_forward(my_mla_absorbed, absorbed=True))
+print(f"on layer 1: max |absorbed - naive| = {(my_mla_absorbed(w, cfg, hidden, cos, sin) - out).abs().max():.1e}")
+
 Hn, Nn, Vn = attn.num_heads, attn.nope_dim, attn.v_dim
-w_kv_b = attn.kv_b_proj.weight.view(Hn, Nn + Vn, -1)  # [H, N + V, C]
-w_uk, w_uv = w_kv_b[:, :Nn], w_kv_b[:, Nn:]  # [H, N, C], [H, V, C]
-q_nope, c_kv = cache[p + "hook_q_nope"][0], cache[p + "hook_kv_latent"][0]  # [T, H, N], [S, C]
-pattern = cache[p + "hook_pattern"][0]  # [H, T, S]
-
-k_nope = torch.einsum("hnc,sc->hsn", w_uk, c_kv)  # [H, S, N]: the naive path builds every head's keys
-naive_content = torch.einsum("thn,hsn->hts", q_nope, k_nope)  # [H, T, S]
-q_latent = torch.einsum("hnc,thn->htc", w_uk, q_nope)  # [H, T, C]: fold 1, W_UK^T q
-absorbed_content = q_latent @ c_kv.T  # [H, T, S]
-print(f"fold 1, content scores: max |naive - absorbed| = {(naive_content - absorbed_content).abs().max():.1e} "
-      f"(scores up to {naive_content.abs().max():.1f})")
-
-v = torch.einsum("hvc,sc->hsv", w_uv, c_kv)  # [H, S, V]: the naive path builds every head's values
-naive_z = pattern @ v  # [H, T, V]
-absorbed_z = torch.einsum("hvc,htc->htv", w_uv, pattern @ c_kv)  # fold 2: W_UV (sum_s p c_s)
-print(f"fold 2, head outputs z:   max |naive - absorbed| = {(naive_z - absorbed_z).abs().max():.1e}")
-w_o = attn.o_proj.weight.view(-1, Hn, Vn)  # [D, H, V]
-w_o_uv = torch.einsum("dhv,hvc->hdc", w_o, w_uv)  # [H, D, C]: W_O,h W_UV,h, multiplied once
-out_folded = torch.einsum("hdc,htc->td", w_o_uv, pattern @ c_kv)  # [T, D]
-print(f"fold 2 into o_proj:       max |o_proj(z) - folded| = "
-      f"{(attn.o_proj(naive_z.transpose(0, 1).flatten(1)) - out_folded).abs().max():.1e}")
+w_uv = w["kv_b_proj.weight"].view(Hn, Nn + Vn, -1)[:, Nn:]  # [H, V, C]
+pattern, c_kv = cache[p + "hook_pattern"][0].float().cpu(), cache[p + "hook_kv_latent"][0].float().cpu()
+v = torch.einsum("hvc,sc->hsv", w_uv, c_kv)  # [H, S, V]: the values the naive path builds
+print(f"fold 2, head outputs z: max |naive - absorbed| = "
+      f"{(pattern @ v - torch.einsum('hvc,htc->htv', w_uv, pattern @ c_kv)).abs().max():.1e}")
+w_o_uv = torch.einsum("dhv,hvc->hdc", w["o_proj.weight"].view(-1, Hn, Vn), w_uv)  # [H, D, C]: W_O,h W_UV,h
+folded = torch.einsum("hdc,htc->td", w_o_uv, pattern @ c_kv)  # [T, D]
+print(f"W_O W_UV multiplied once: max |o_proj(z) - folded| = "
+      f"{((pattern @ v).transpose(0, 1).flatten(1) @ w['o_proj.weight'].T - folded).abs().max():.1e}")
 
 # %% [markdown]
 # The model runs either path (`attn_impl`). Over the whole model the two agree to float32 rounding:
@@ -131,39 +463,6 @@ print(f"attention patterns equal in every layer: {same}")
 # keeps the rotation off the latent path. A small separate **rotary part** carries it: 64 features of each head's
 # query, and ONE 64-feature key per token computed from x and shared by all heads (so it costs the cache only 64
 # values). Its score term q_pe · k_pe is added to the content term, and RoPE turns only these features.
-
-# %% [markdown]
-# ## The cache: 70,272 bytes per token instead of 2.4 MiB
-#
-# Per token and layer, the latent cache holds 576 numbers; an implementation that caches every head's keys and
-# values holds 64 × (192 + 128) = 20,480. In bfloat16 over K2's 61 layers:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-import k2lab
-from k2lab import K2Config
-
-k2 = K2Config.kimi_k2()
-latent, expanded = k2lab.kv_cache_bytes(k2, 1), k2lab.kv_cache_bytes(k2, 1, layout="expanded")
-print(f"latent:   ({k2.kv_lora_rank} + {k2.qk_rope_head_dim}) x 2 bytes x {k2.num_hidden_layers} "
-      f"layers = {latent:,} bytes per token")
-print(f"expanded: {k2.num_attention_heads} x ({k2.qk_head_dim} + {k2.v_head_dim}) x 2 x "
-      f"{k2.num_hidden_layers} = {expanded:,} bytes = {expanded / 2**20:.2f} MiB per token "
-      f"({expanded / latent:.1f} x more)")
-print(f"a full 131,072-token context: {k2lab.kv_cache_bytes(k2, 131_072) / 2**30:.1f} GiB latent, "
-      f"{k2lab.kv_cache_bytes(k2, 131_072, layout='expanded') / 2**30:.0f} GiB expanded")
-
-# %% [markdown]
-# The model's own cache object agrees: after a prefill it holds (C + R) values per token per layer.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-kv = model.new_cache(batch_size=1)
-model(ids, cache=kv)
-print(kv)
-width = model.config.kv_lora_rank + model.config.qk_rope_head_dim  # C + R
-print(f"{kv.nbytes // kv.length:,} bytes per token = {width} values x {kv.dtype.itemsize} bytes x "
-      f"{len(model.layers)} layers")
 
 # %% [markdown]
 # ## What a decode step costs
@@ -214,6 +513,10 @@ viz.lines_figure(context, {"bytes read per decode step = cache size (GiB)": seri
                  title="Kimi K2, all 61 layers: one decode step against context length")
 
 # %% [markdown]
+# Both panels are straight lines in log-log: bytes and FLOPs grow in proportion to the context. On the left the
+# latent cache stays 35 times below the expanded one at every length; on the right it costs about 3.4 times more
+# arithmetic, which a GPU has to spare while it waits for the bytes.
+#
 # ## Attention patterns in K2-nano
 #
 # `hook_pattern` holds each head's softmax weights [B, H, T, S]: row t shows where query t looks. Pick a layer and
@@ -280,46 +583,49 @@ viz.score_split_figure(content, rotary, tokens,
                        title=f"Layer {layer}, head {head}: score = content part + rotary part (own colour ranges)")
 
 # %% [markdown]
-# ## Exercises
+# ## More exercises
 #
-# **1. Predict, then run.** If K2's kv_lora_rank were 256 instead of 512, how many bytes per token would its latent
-# cache take over 61 layers in bfloat16? Predict, then run `k2lab.kv_cache_bytes(k2.replace(kv_lora_rank=256), 1)`.
+# ### Exercise 5 ★ · Predict, then run
 #
-# **2. Change a knob.** Copy the model to bfloat16 (`copy.deepcopy(model).to(torch.bfloat16)`) and compare the
-# naive and absorbed logits again. Predict first: does the gap stay near 1e-6, and do the two paths still pick the
-# same top token at every position?
+# DeepSeek-V3 has 128 heads where K2 has 64, with the same head and latent widths. Predict how the per-token cache
+# of MLA and of MHA each change with twice the heads, then check with `k2lab.kv_cache_bytes` on
+# `k2.replace(num_attention_heads=128)` (`layout="expanded"` for MHA's).
 
 # %%
 # your code here
 
-# %% [markdown]
-# **3. Write it yourself: the absorbed score.** Given one position's queries and the cached latents, compute every
-# head's scaled scores without building k_nope: fold W_UK into the query, add the rotary part, scale. Then use it
-# on layer 1's probes and compare with `hook_attn_scores`.
+# %% [markdown] tags=["hint"]
+# Which of the cached numbers has a head axis? c_KV and k_pe are per token, not per head.
 
-# %%
-from k2lab.lab import exercises
-
-
-def my_absorbed_score(q_nope, q_pe, c_kv, k_pe, w_uk, scale) -> torch.Tensor:
-    """q_nope [T, H, N], q_pe [T, H, R], c_kv [S, C], k_pe [S, R], w_uk [H, N, C] -> scores [H, T, S] (no mask)"""
-    raise NotImplementedError
-
-
-print(exercises.check_absorbed_score(my_absorbed_score))
-
-# %% [markdown]
-# ## Solutions
-#
-# **1.** (256 + 64) × 2 bytes × 61 layers = 39,040 bytes per token, 56% of K2's 70,272.
+# %% [markdown] tags=["solution"]
+# MLA's cache has no head axis: c_KV and the shared k_pe are per token, so 70,272 bytes stay 70,272. MHA's doubles.
+# More heads cost MLA only attention arithmetic (each head scores against the same cache), which is the cost the K2
+# report weighs when it halves the heads.
 
 # %% tags=["solution"]
-print(f"{k2lab.kv_cache_bytes(k2.replace(kv_lora_rank=256), 1):,} bytes per token")
+for heads in (64, 128):
+    cfg_h = k2.replace(num_attention_heads=heads)
+    print(f"{heads} heads: MLA {k2lab.kv_cache_bytes(cfg_h, 1):,} bytes per token, "
+          f"MHA {k2lab.kv_cache_bytes(cfg_h, 1, layout='expanded'):,}")
 
 # %% [markdown]
-# **2.** bfloat16 keeps 8 bits of mantissa, so the two orders of summation drift apart far more than in float32;
-# the printed gap is the answer. The top tokens can still mostly agree: differences smaller than the gap between the
-# first and second logit do not change the argmax.
+# ### Exercise 6 ★ · Change a knob
+#
+# Copy the model to bfloat16 (`copy.deepcopy(model).to(torch.bfloat16)`) and compare the naive and absorbed logits
+# again. Predict first: does the gap stay near 1e-5, and do the two paths still pick the same top token at every
+# position?
+
+# %%
+# your code here
+
+# %% [markdown] tags=["hint"]
+# bfloat16 keeps 8 bits of mantissa, about 2 to 3 significant digits. The two paths add the same products in another
+# order.
+
+# %% [markdown] tags=["solution"]
+# bfloat16 keeps 8 bits of mantissa, so the two orders of summation drift apart far more than in float32; the printed
+# gap is the answer. The top tokens can still mostly agree: differences smaller than the gap between the first and
+# second logit do not change the argmax.
 
 # %% tags=["solution"]
 import copy
@@ -328,21 +634,3 @@ half = copy.deepcopy(model).to(torch.bfloat16)
 naive16, absorbed16 = half(ids, attn_impl="naive"), half(ids, attn_impl="absorbed")
 print(f"bfloat16: max |naive - absorbed| = {(naive16 - absorbed16).abs().max().item():.2e}; "
       f"same top token at {(naive16.argmax(-1) == absorbed16.argmax(-1)).float().mean().item():.0%} of positions")
-
-# %% [markdown]
-# **3.** Map each head's query into latent space with W_UK^T, score against the latents, add the rotary part:
-
-# %% tags=["solution"]
-def my_absorbed_score(q_nope, q_pe, c_kv, k_pe, w_uk, scale) -> torch.Tensor:
-    q_latent = torch.einsum("thn,hnc->htc", q_nope, w_uk)  # [H, T, C]
-    return scale * (q_latent @ c_kv.T + torch.einsum("thr,sr->hts", q_pe, k_pe))
-
-
-assert exercises.check_absorbed_score(my_absorbed_score)
-print(exercises.check_absorbed_score(my_absorbed_score))
-attn, p = model.layers[1].self_attn, "layers.1.self_attn."
-w_uk = attn.kv_b_proj.weight.view(attn.num_heads, attn.nope_dim + attn.v_dim, -1)[:, :attn.nope_dim]  # [H, N, C]
-mine = my_absorbed_score(cache[p + "hook_q_nope"][0], cache[p + "hook_rot_q_pe"][0], cache[p + "hook_kv_latent"][0],
-                         cache[p + "hook_rot_k_pe"][0], w_uk, attn.softmax_scale)
-scores = cache[p + "hook_attn_scores"][0]  # [H, T, S], -inf above the diagonal
-print(f"layer 1, all heads: max |mine - hook_attn_scores| = {(mine - scores)[scores.isfinite()].abs().max():.1e}")

@@ -178,6 +178,12 @@ def check_mla_forward(fn: Callable, absorbed: bool = False) -> Verdict:
             ("you did not rotate q_pe and k_pe", _mla_variant(*args, rotate=False)),
             ("you forgot the causal mask: position t may only see keys 0..t", _mla_variant(*args, causal=False)),
             (f"you forgot YaRN's m^2 in the scale: it is {qk}^-1/2 * m^2", _mla_variant(*args, scale=qk**-0.5)),
+            (f"m goes in squared (once for the query, once for the key): the scale is {qk}^-1/2 * m^2",
+             _mla_variant(*args, scale=qk**-0.5 * cfg.yarn_mscale)),
+            (f"a head's query-key width is N + R = {qk} (content and rotary parts): the scale is {qk}^-1/2 * m^2, "
+             f"not N^-1/2 * m^2", _mla_variant(*args, scale=cfg.qk_nope_head_dim**-0.5 * m2)),
+            ("you rotated the wrong way: the rotation is x * cos + rotate_half(x) * sin, with rotate_half(x) = "
+             "[-x2, x1] for the halves x1, x2", _mla_variant(w, cfg, hidden, cos, -sin)),
             (f"the scale stays {qk}^-1/2 * m^2 in the absorbed form: the scores are the same numbers, summed in "
              f"another order; the {wide}-wide keys do not change them", _mla_variant(*args, scale=wide**-0.5 * m2)),
             (f"the scale is {qk}^-1/2 * m^2, not 1/sqrt({wide}): the scores are the naive ones, whatever the width of "

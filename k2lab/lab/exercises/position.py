@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -97,8 +98,16 @@ def _yarn_mistakes(cfg: K2Config) -> list[tuple[str, torch.Tensor]]:
     def exact(beta: float) -> float:
         return yarn_correction_dim(beta, R, cfg.rope_theta, cfg.original_max_position_embeddings)
 
+    def without_two_pi(beta: float) -> float:  # d(beta) with turns counted as radians: L / beta, not L / (2 pi beta)
+        return exact(beta / (2 * math.pi))
+
+    no_pi_low, no_pi_high = max(math.floor(without_two_pi(cfg.beta_fast)), 0), math.ceil(without_two_pi(cfg.beta_slow))
+    no_pi_width = max(no_pi_high - no_pi_low, 1e-3)
     swapped = cfg.replace(beta_fast=cfg.beta_slow, beta_slow=cfg.beta_fast)
     return [
+        ("d(beta) counts turns, and one turn is 2 pi radians: pair i's wavelength is 2 pi / theta_i positions, so "
+         "d(beta) = R ln(L / (2 pi beta)) / (2 ln theta); you left out the 2 pi",
+         blend(((pairs - no_pi_low) / no_pi_width).clamp(0, 1))),
         ("plain RoPE: YaRN divides the slow pairs' frequencies by the factor", base),
         ("you divided every frequency by the factor: that is position interpolation; YaRN keeps the fast pairs",
          base / f),

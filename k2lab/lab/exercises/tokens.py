@@ -44,6 +44,17 @@ def _highest_rank_bpe(ranks: Ranks, piece: bytes) -> list[bytes]:
         parts[i: i + 2] = [parts[i] + parts[i + 1]]
 
 
+def _rightmost_tie_bpe(ranks: Ranks, piece: bytes) -> list[bytes]:
+    parts = _bytes_of(piece)
+    while True:
+        pairs = [(ranks[parts[i] + parts[i + 1]], i) for i in range(len(parts) - 1) if parts[i] + parts[i + 1] in ranks]
+        if not pairs:
+            return parts
+        lowest = min(rank for rank, _ in pairs)
+        i = max(i for rank, i in pairs if rank == lowest)
+        parts[i: i + 2] = [parts[i] + parts[i + 1]]
+
+
 def _one_merge_bpe(ranks: Ranks, piece: bytes) -> list[bytes]:
     parts = _bytes_of(piece)
     pairs = [(ranks[parts[i] + parts[i + 1]], i) for i in range(len(parts) - 1) if parts[i] + parts[i + 1] in ranks]
@@ -68,6 +79,8 @@ _BPE_MISTAKES: list[tuple[str, Callable[[Ranks, bytes], list[bytes]]]] = [
     ("you merged the HIGHEST-ranked pair first; a rank is the order the merges were learned in, so the LOWEST rank "
      "merges first", _highest_rank_bpe),
     ("you stopped after one merge; keep merging while any adjacent pair is in the ranks", _one_merge_bpe),
+    ("where the lowest-ranked pair occurs twice (b'ccc' holds b'cc' at two places), you merged the rightmost; merge "
+     "the LEFTMOST occurrence first, as tiktoken does", _rightmost_tie_bpe),
     ("you matched the longest known token from the left (greedy longest match, as WordPiece does); BPE merges "
      "adjacent pairs instead, the lowest rank first, and can end in other parts", _longest_match),
 ]
@@ -172,6 +185,20 @@ def _merged(words: Words, merges: Iterable[Merge]) -> Words:
     return words
 
 
+def _merged_first_only(words: Words, merges: Iterable[Merge]) -> Words:
+    """The mistake: apply each merge to its first occurrence in each sequence only."""
+    for left, right in merges:
+        updated = []
+        for symbols, n in words:
+            symbols = list(symbols)
+            i = next((i for i in range(len(symbols) - 1) if (symbols[i], symbols[i + 1]) == (left, right)), None)
+            if i is not None:
+                symbols[i: i + 2] = [left + right]
+            updated.append((symbols, n))
+        words = updated
+    return words
+
+
 def _pair_counts(words: Words) -> Counter[Merge]:
     """How often each adjacent pair occurs, each sequence weighted by how often it occurs (overlaps count)."""
     counts: Counter[Merge] = Counter()
@@ -272,6 +299,12 @@ def _diagnose_merge(texts: list[str], pre_tokenize: Callable[[str], list[str]], 
     if picks(_merged(_words(texts, _as_bytes), done)):
         return ("you counted pairs across pre-token boundaries: split each text with pre_tokenize first and count "
                 "pairs only inside each pre-token"), situation
+    if picks(_merged(_words((word for text in texts for word in text.split()), _as_bytes), done)):
+        return ("you split the texts on whitespace yourself: use the pre_tokenize function you are given (K2's "
+                "regex), which keeps each space with the word after it, so that b' the' can become a token"), situation
+    if done and picks(_merged_first_only(_words(pieces, _as_bytes), done)):
+        return ("you merged only the first occurrence of each pair in a pre-token; merge EVERY occurrence (' été' "
+                "holds the pair of é's two bytes twice)"), situation
     if 0 < counts.get(merge, 0) == min(counts.values()):
         return "you merged the least frequent pair; merge the MOST frequent one", situation
     if merge not in counts:
