@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ..model.hooks import one_selector
 from ..model.moe import MoE, Router
 from .routing import allowed_experts, group_best, moe_layers
+from .splicing import splice  # noqa: F401 - k2lab.interventions.splice, with the others
 
 if TYPE_CHECKING:
     from ..model.hooks import HookFn, HookPoint, NameFilter

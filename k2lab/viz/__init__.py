@@ -18,6 +18,7 @@ from .experts import (
     load_figure,
     specialization_figure,
 )
+from .features import expert_share_heatmap, information_figure, purity_figure
 from .lines import lines_figure
 from .logits import attribution_figure, cache_logit_lens_figure, effect_heatmap, logit_lens_figure
 from .rope import yarn_figure
@@ -28,8 +29,8 @@ from .training import expert_time_figure, loss_figure, qk_clip_figure, singular_
 
 __all__ = [
     "attribution_figure", "bias_flip_figure", "cache_logit_lens_figure", "coactivation_figure", "effect_heatmap",
-    "entropy_figure", "expert_time_figure", "layer_bars_figure", "lines_figure", "load_figure", "logit_lens_figure",
-    "loss_figure", "parameter_figure", "pattern_figure", "qk_clip_figure", "router_token_figure", "routing_heatmap",
-    "score_split_figure", "singular_values_figure", "spans_html", "specialization_figure", "tokens_html", "widgets",
-    "yarn_figure",
+    "entropy_figure", "expert_share_heatmap", "expert_time_figure", "information_figure", "layer_bars_figure",
+    "lines_figure", "load_figure", "logit_lens_figure", "loss_figure", "parameter_figure", "pattern_figure",
+    "purity_figure", "qk_clip_figure", "router_token_figure", "routing_heatmap", "score_split_figure",
+    "singular_values_figure", "spans_html", "specialization_figure", "tokens_html", "widgets", "yarn_figure",
 ]

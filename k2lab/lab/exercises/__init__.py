@@ -27,6 +27,8 @@ The construction track, each piece checked against k2lab and then used by the ne
     check_bias_update         10  aux-loss-free balancing
     check_newton_schulz       10  Muon's orthogonalisation
     check_qk_clip             10  QK-Clip for one MLA head
+    check_feature_purity      11  a feature's purity against the routing
+    check_mutual_information  11  I(A; C) of two yes/no variables, in bits
 """
 
 from .analysis import (
@@ -39,6 +41,7 @@ from .analysis import (
 from .attention import check_absorbed_score, check_mla_forward
 from .blocks import check_block, check_moe_combine, check_rms_norm, check_router, check_swiglu
 from .checking import Verdict, Watch
+from .features import check_feature_purity, check_mutual_information
 from .model import check_greedy, check_model_from_weights, small_k2
 from .position import DEEPSEEK_V3_ROPE, check_rotation, check_yarn_frequencies
 from .tokens import check_bpe, check_bpe_training, train_bpe
@@ -50,4 +53,5 @@ __all__ = [
     "check_max_violation", "check_mla_forward", "check_model_from_weights", "check_moe_combine",
     "check_newton_schulz", "check_patch_hook", "check_qk_clip", "check_rms_norm", "check_rotation", "check_router",
     "check_swiglu", "check_yarn_frequencies", "small_k2", "train_bpe",
+    "check_feature_purity", "check_mutual_information",
 ]
