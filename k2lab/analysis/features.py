@@ -39,7 +39,7 @@ from torch import nn
 
 from . import routing
 from .datasets import batches
-from .routing import RoutingTrace, moe_layers
+from .routing import RoutingTrace, bootstrap_interval, moe_layers, sequence_draws
 from .splicing import ProbeSpec, _probe_pair, splice
 
 if TYPE_CHECKING:
@@ -247,14 +247,15 @@ def information(active: torch.Tensor, chosen: torch.Tensor, sequences: torch.Ten
 
     bits, best, share, layer_share = _best_expert_information(*_summed(observed), counted)
     gen = torch.Generator().manual_seed(seed)
-    boot = mean_share(observed, _sequence_draws(S, num_boot, gen))  # [R, L]
+    boot = mean_share(observed, sequence_draws(S, num_boot, gen))  # [R, L]
     everything = torch.ones(1, S, dtype=torch.float64)  # one sample: every text once
     shuffled = torch.cat([mean_share(text_sums(c[:, _shuffled_order(len(a), within, gen)]), everything)
                           for _ in range(num_shuffles)]).mean(0)  # [L]
     device = active.device
     return FeatureInformation(
         layers=layers, bits=bits.float().to(device), best_expert=best.to(device), share=share.float().to(device),
-        mean_share=layer_share[0].float().to(device), mean_share_ci=_interval(boot, confidence).float().to(device),
+        mean_share=layer_share[0].float().to(device),
+        mean_share_ci=bootstrap_interval(boot, confidence).float().to(device),
         baseline=shuffled.float().to(device), counted=counted.to(device), confidence=confidence, num_sequences=S,
         num_tokens=len(a))
 
@@ -311,21 +312,6 @@ def _shuffled_order(n: int, within: torch.Tensor | None, generator: torch.Genera
     order = torch.empty(n, dtype=torch.long)
     order[grouped] = mixed
     return order
-
-
-def _sequence_draws(num_sequences: int, num_boot: int, generator: torch.Generator) -> torch.Tensor:
-    """[R, S] float64: how often each of S sequences is drawn in each of R bootstrap samples of S draws with
-    replacement (``routing.contrast`` resamples sequences the same way)."""
-    picks = torch.randint(0, num_sequences, (num_boot, num_sequences), generator=generator)
-    ones = torch.ones(num_boot, num_sequences, dtype=torch.float64)
-    return torch.zeros(num_boot, num_sequences, dtype=torch.float64).scatter_add_(1, picks, ones)
-
-
-def _interval(samples: torch.Tensor, confidence: float) -> torch.Tensor:
-    """[R, ...] bootstrap samples -> [2, ...] (low, high): their outer order statistics at ``confidence``."""
-    low = torch.nanquantile(samples, (1 - confidence) / 2, dim=0, interpolation="lower")
-    high = torch.nanquantile(samples, (1 + confidence) / 2, dim=0, interpolation="higher")
-    return torch.stack([low, high])
 
 
 # ---- which features an expert's output is made of ---------------------------------------------------------------

@@ -528,19 +528,8 @@ def contrast(trace_a: RoutingTrace, trace_b: RoutingTrace, top: int | None = Non
 
     gen = torch.Generator().manual_seed(seed)
     (share_a, wshare_a), (share_b, wshare_b) = (shares(*s) for s in stats)
-    boot = []
-    for tokens, count, mass in stats:
-        B = len(tokens)
-        picks = torch.randint(0, B, (num_boot, B), generator=gen)
-        draws = torch.zeros(num_boot, B, dtype=torch.float64).scatter_add_(1, picks, torch.ones(num_boot, B,
-                                                                                                dtype=torch.float64))
-        boot.append(shares(tokens, count, mass, draws))
-    (boot_a, wboot_a), (boot_b, wboot_b) = boot
-
-    def interval(samples):  # [R, L, E] -> [2, L, E], the outer order statistics (no interpolation: ratios may be inf)
-        low = torch.nanquantile(samples, (1 - confidence) / 2, dim=0, interpolation="lower")
-        high = torch.nanquantile(samples, (1 + confidence) / 2, dim=0, interpolation="higher")
-        return torch.stack([low, high])
+    (boot_a, wboot_a), (boot_b, wboot_b) = (shares(*s, sequence_draws(len(s[0]), num_boot, gen)) for s in stats)
+    interval = lambda samples: bootstrap_interval(samples, confidence)  # [R, L, E] -> [2, L, E]
 
     device = trace_a.indices.device
     out = lambda t: t.float().to(device)
@@ -552,6 +541,22 @@ def contrast(trace_a: RoutingTrace, trace_b: RoutingTrace, top: int | None = Non
         num_sequences=(len(stats[0][0]), len(stats[1][0])),
         num_tokens=(int(stats[0][0].sum()), int(stats[1][0].sum())),
     )
+
+
+def sequence_draws(num_sequences: int, num_boot: int, generator: torch.Generator) -> torch.Tensor:
+    """[R, S] float64: how often each of S sequences is drawn in each of R = ``num_boot`` bootstrap samples of S
+    draws with replacement. Statistics that are sums over sequences are then resampled by one product."""
+    picks = torch.randint(0, num_sequences, (num_boot, num_sequences), generator=generator)
+    ones = torch.ones(num_boot, num_sequences, dtype=torch.float64)
+    return torch.zeros(num_boot, num_sequences, dtype=torch.float64).scatter_add_(1, picks, ones)
+
+
+def bootstrap_interval(samples: torch.Tensor, confidence: float) -> torch.Tensor:
+    """[R, ...] bootstrap samples -> [2, ...] (low, high): their outer order statistics at ``confidence``, without
+    interpolation (ratios may be inf), NaN samples skipped."""
+    low = torch.nanquantile(samples, (1 - confidence) / 2, dim=0, interpolation="lower")
+    high = torch.nanquantile(samples, (1 + confidence) / 2, dim=0, interpolation="higher")
+    return torch.stack([low, high])
 
 
 def _per_sequence(tr: RoutingTrace, top: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
