@@ -15,22 +15,25 @@ _BASELINE_COLOURS = (GREY, ORANGE, PURPLE)
 
 
 def purity_figure(series: Mapping[str, torch.Tensor], title: str = "", x_title: str = "purity") -> go.Figure:
-    """The distribution over features of each series ({name: [F]}: the purity, its baselines), as overlaid
-    histograms of the share of features per bin of width 0.025 on 0..1; NaN entries (features never active) left
-    out. The first series is drawn in blue, the baselines after it in greys and oranges."""
+    """The distribution over features of each series ({name: [F]}: the purity, its baselines): the share of features
+    per bin of width 0.025 on 0..1, drawn as step outlines so that overlapping distributions stay visible; NaN
+    entries (features never active) left out. The first series is drawn in blue, the baselines after it in greys and
+    oranges."""
     series_of(series, "series")
+    edges = np.linspace(0, 1, 41)  # 40 bins of 0.025
     fig = go.Figure()
-    for (name, values), colour in zip(series.items(), (BLUE, *_BASELINE_COLOURS), strict=False):
+    for i, ((name, values), colour) in enumerate(zip(series.items(), (BLUE, *_BASELINE_COLOURS), strict=False)):
         v = data(values, f"series[{name!r}]", 1)
         v = v[~np.isnan(v)]
         if not v.size:
             raise ValueError(f"series[{name!r}] holds only NaN (no feature was ever active): nothing to draw")
-        fig.add_trace(go.Histogram(x=v, name=f"{name} (mean {v.mean():.2f})", histnorm="probability",
-                                   xbins=dict(start=0, end=1.0001, size=0.025), marker_color=colour, opacity=0.6,
-                                   hovertemplate=f"{name}<br>%{{x}}: %{{y:.1%}} of features<extra></extra>"))
-    fig.update_xaxes(title_text=x_title, range=[0, 1.02])
-    fig.update_yaxes(title_text="share of features", tickformat=".0%")
-    return finish(fig.update_layout(barmode="overlay"), title, height=400, legend=True)
+        share = np.histogram(np.clip(v, 0, 1), bins=edges)[0] / v.size  # [40]
+        fig.add_trace(go.Scatter(x=(edges[:-1] + edges[1:]) / 2, y=share, name=f"{name} (mean {v.mean():.2f})",
+                                 mode="lines", line=dict(color=colour, width=3 if i == 0 else 2, shape="hvh"),
+                                 hovertemplate=f"{name}<br>%{{x:.3f}}: %{{y:.1%}} of features<extra></extra>"))
+    fig.update_xaxes(title_text=x_title, range=[0, 1.01])
+    fig.update_yaxes(title_text="share of features", tickformat=".0%", rangemode="tozero")
+    return finish(fig, title, height=400, legend=True)
 
 
 def expert_share_heatmap(shares: torch.Tensor, row_labels: Sequence[str], title: str = "",

@@ -245,8 +245,11 @@ def test_figures_draw_what_they_are_given():
     viz = pytest.importorskip("k2lab.viz")
     purity, baseline = torch.tensor([1.0, 0.5, float("nan")]), torch.tensor([0.3, 0.3, float("nan")])
     fig = viz.purity_figure({"purity": purity, "routing shuffled": baseline})
-    assert [list(trace.x) for trace in fig.data] == [[1.0, 0.5], [pytest.approx(0.3)] * 2]  # NaN: never active
-    assert fig.data[0].name == "purity (mean 0.75)" and fig.layout.barmode == "overlay"
+    drawn = {trace.name: dict(zip(trace.x, trace.y, strict=True)) for trace in fig.data}  # bin centre -> share
+    assert list(drawn) == ["purity (mean 0.75)", "routing shuffled (mean 0.30)"]  # NaN: never active, left out
+    assert {round(x, 4): y for x, y in drawn["purity (mean 0.75)"].items() if y} == {0.5125: 0.5, 0.9875: 0.5}
+    (centre, share), = ((x, y) for x, y in drawn["routing shuffled (mean 0.30)"].items() if y)
+    assert abs(centre - 0.3) <= 0.0125 + 1e-9 and share == 1.0
     shares = torch.tensor([[0.5, 1.0, 0.5], [0.0, 0.25, 0.75]])
     heat = viz.expert_share_heatmap(shares, ["feature 1", "feature 2"])
     assert heat.data[0].zmin == 0 and heat.data[0].zmax == 1.0 and list(heat.data[0].x) == [0, 1, 2]
