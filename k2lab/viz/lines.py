@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
+import plotly.colors
 import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
@@ -22,6 +24,9 @@ def lines_figure(x: Sequence[float], panels: Mapping[str, Mapping[str, torch.Ten
         series_of(series, f"panels[{panel!r}]")
         for name, values in series.items():
             same_length(data(values, f"panels[{panel!r}][{name!r}]", 1), x, f"panels[{panel!r}][{name!r}]", "x")
+    if colors is None:  # one colour per series name, the same in every panel (plotly would cycle per trace)
+        names = list(dict.fromkeys(name for series in panels.values() for name in series))
+        colors = dict(zip(names, itertools.cycle(plotly.colors.qualitative.Plotly), strict=False))
     many = len(panels) > 1
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=list(panels) if many else None,
                         horizontal_spacing=0.09)
@@ -29,7 +34,7 @@ def lines_figure(x: Sequence[float], panels: Mapping[str, Mapping[str, torch.Ten
     for col, series in enumerate(panels.values(), start=1):
         for name, values in series.items():
             fig.add_trace(go.Scatter(x=list(x), y=array(values), name=name, mode="lines" if len(x) > 40 else
-                                     "lines+markers", line=dict(color=(colors or {}).get(name)), legendgroup=name,
+                                     "lines+markers", line=dict(color=colors.get(name)), legendgroup=name,
                                      showlegend=name not in seen), row=1, col=col)
             seen.add(name)
         fig.update_xaxes(title_text=x_title, **(LOG_AXIS if log_x else {}), row=1, col=col)

@@ -47,7 +47,9 @@ def router_token_figure(scores: torch.Tensor, bias: torch.Tensor, chosen: torch.
     s, b = array(scores), array(bias)
     fig.add_trace(go.Bar(x=experts, y=s, marker_color=colors, name="score s (filled: chosen)",
                          hovertemplate="expert %{x}<br>s %{y:.3f}<extra></extra>"), row=row, col=1)
-    fig.add_trace(go.Scatter(x=experts, y=s + b, mode="markers", marker=dict(symbol="diamond", color=BIAS, size=7),
+    many = E > 64  # K2's 384 experts: smaller markers, so that neighbours do not cover each other
+    fig.add_trace(go.Scatter(x=experts, y=s + b, mode="markers",
+                             marker=dict(symbol="diamond", color=BIAS, size=4 if many else 7),
                              name="choice score s + bias", customdata=b,
                              hovertemplate="expert %{x}<br>s + b %{y:.3f}<br>bias %{customdata:.3f}<extra></extra>"),
                   row=row, col=1)
@@ -56,9 +58,12 @@ def router_token_figure(scores: torch.Tensor, bias: torch.Tensor, chosen: torch.
         fig.add_trace(go.Scatter(x=u, y=s[u], mode="markers", name="top-k without the bias",
                                  marker=dict(symbol="circle-open", color=ORANGE, size=12, line=dict(width=2))),
                       row=row, col=1)
+    if many:  # a bar one expert wide is a hairline among 384: mark the chosen experts' s as well
+        fig.add_trace(go.Scatter(x=chosen, y=s[chosen], mode="markers", name="chosen",
+                                 marker=dict(symbol="circle", color=CHOSEN, size=8)), row=row, col=1)
     fig.update_yaxes(title_text="score", row=row, col=1)
     fig.add_trace(go.Bar(x=chosen, y=array(weights), marker_color=CHOSEN, name="weight",
-                         width=0.8, showlegend=False,  # one expert wide, like the bars above
+                         width=max(0.8, E / 128), showlegend=False,  # one expert wide, or visible among hundreds
                          hovertemplate="expert %{x}<br>weight %{y:.3f}<extra></extra>"),
                   row=row + 1, col=1)
     fig.update_yaxes(title_text="weight", row=row + 1, col=1)
@@ -90,8 +95,9 @@ def routing_heatmap(indices: torch.Tensor, weights: torch.Tensor, num_experts: i
     dense = np.full((idx.shape[0], num_experts), np.nan)
     np.put_along_axis(dense, idx, array(weights), axis=1)
     labels = token_labels(tokens)
+    gap = 1 if num_experts <= 64 else 0  # a 1-pixel gap between 384 columns would leave no colour to see
     fig = go.Figure(go.Heatmap(z=dense, x=list(range(num_experts)), y=labels, colorscale=SEQUENTIAL, zmin=0,
-                               colorbar=dict(title="weight"), xgap=1, ygap=1,
+                               colorbar=dict(title="weight"), xgap=gap, ygap=1,
                                hovertemplate="token %{y}<br>expert %{x}<br>weight %{z:.3f}<extra></extra>"))
     fig.update_yaxes(autorange="reversed", title_text="token", dtick=1)
     fig.update_xaxes(title_text="expert")

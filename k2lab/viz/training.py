@@ -14,15 +14,16 @@ from .style import (
     BLUE,
     DIVERGING,
     GREY,
+    IDLE,
     LOG_AXIS,
     ORANGE,
-    RATIO_TICKS,
     RED,
     SEQUENTIAL,
     array,
     data,
     finish,
     log2_ratio,
+    ratio_ticks,
     reference_line,
     same_length,
     series_of,
@@ -57,8 +58,9 @@ def loss_figure(steps: Sequence[int], loss: Sequence[float], eval_steps: Sequenc
 
 def qk_clip_figure(steps: Sequence[int], max_logits: torch.Tensor, tau: float, title: str = "",
                    max_columns: int = 200) -> go.Figure:
-    """Top: each head's largest pre-softmax logit per step (rows layer.head, ``max_logits`` [S, L, H]), the
-    colour scale's top at tau; at most ``max_columns`` evenly spaced steps, which keeps a stored notebook small.
+    """Top: each head's largest pre-softmax logit per step (rows layer.head, ``max_logits`` [S, L, H]), on a colour
+    scale from 0 to the largest logit shown (at least tau), with tau marked on the colour bar, so a head above tau
+    is told apart from one at it; at most ``max_columns`` evenly spaced steps, which keeps a stored notebook small.
     Bottom: how many heads QK-Clip rescaled (max logit > tau) at EVERY step, so no clipped step is skipped."""
     m = data(max_logits, "max_logits", 3)
     same_length(m, steps, "max_logits [S, L, H]", "steps")
@@ -66,9 +68,13 @@ def qk_clip_figure(steps: Sequence[int], max_logits: torch.Tensor, tau: float, t
     every = max(1, -(-S // max_columns))  # ceil(S / max_columns)
     shown = list(steps)[::every]
     rows = [f"L{layer}.h{h}" for layer in range(L) for h in range(H)]
+    heat = m[::every].reshape(len(shown), L * H).T
+    top = max(float(tau), float(np.nanmax(heat)))
+    ticks = [t for t in _round_ticks(top) if abs(t - tau) > 0.08 * top] + [float(tau)]
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.75, 0.25], vertical_spacing=0.05)
-    fig.add_trace(go.Heatmap(z=m[::every].reshape(len(shown), L * H).T, x=shown, y=rows, colorscale=SEQUENTIAL,
-                             zmin=0, zmax=tau, colorbar=dict(title="max logit", len=0.7, y=0.62),
+    fig.add_trace(go.Heatmap(z=heat, x=shown, y=rows, colorscale=SEQUENTIAL, zmin=0, zmax=top,
+                             colorbar=dict(title="max logit", len=0.7, y=0.62, tickvals=sorted(ticks),
+                                           ticktext=[f"τ={t:g}" if t == tau else f"{t:g}" for t in sorted(ticks)]),
                              hovertemplate="step %{x}, %{y}<br>max logit %{z:.1f}<extra></extra>"), row=1, col=1)
     clipped = (m > tau).reshape(S, -1).sum(-1)
     fig.add_trace(go.Scatter(x=list(steps), y=clipped, mode="lines", line=dict(color=RED, width=1),
@@ -82,16 +88,32 @@ def qk_clip_figure(steps: Sequence[int], max_logits: torch.Tensor, tau: float, t
                   legend=False)
 
 
+def _round_ticks(top: float) -> list[float]:
+    """About five round colour-bar ticks from 0 to ``top``."""
+    step = 10 ** np.floor(np.log10(top / 4)) if top > 0 else 1.0
+    for factor in (1, 2, 2.5, 5, 10):
+        if top / (step * factor) <= 5:
+            step *= factor
+            break
+    return [float(t) for t in np.arange(0.0, top + 1e-9, step)]
+
+
 def expert_time_figure(steps: Sequence[int], values: torch.Tensor, colorbar_title: str, zmid: float | None = None,
                        log2: bool = False, title: str = "") -> go.Figure:
     """One MoE layer over training: experts (rows) against steps, e.g. the correction bias or the relative load.
-    ``values``: [S, E]. ``zmid`` centres a diverging scale; ``log2`` colours ratios so 0.5 and 2 look alike."""
+    ``values``: [S, E]. ``zmid`` centres a diverging scale, symmetric about it and fitted to the data. ``log2``
+    colours ratios so 0.5 and 2 look alike, on a range fitted to the data (at most 1/16 .. 16); zeros (an idle
+    expert: no finite log) are drawn apart in grey."""
     v = data(values, "values", 2)
     same_length(v, steps, "values [S, E]", "steps")
     v = v.T
+    idle = None
     if log2:
-        z, kwargs = log2_ratio(v), dict(colorscale=DIVERGING, zmid=0, zmin=-4, zmax=4,
-                                          colorbar=dict(title=colorbar_title, **RATIO_TICKS))
+        idle = v <= 0
+        z = np.where(idle, np.nan, log2_ratio(np.where(idle, 1.0, v)))
+        bound = max(float(np.nanmax(np.abs(z))) if (~idle).any() else 0.0, 0.25)
+        kwargs = dict(colorscale=DIVERGING, zmid=0, zmin=-bound, zmax=bound,
+                      colorbar=dict(title=colorbar_title, **ratio_ticks(bound)))
     elif zmid is not None:
         bound = float(np.abs(v - zmid).max()) or 1.0
         z, kwargs = v, dict(colorscale=DIVERGING, zmid=zmid, zmin=zmid - bound, zmax=zmid + bound,
@@ -103,6 +125,10 @@ def expert_time_figure(steps: Sequence[int], values: torch.Tensor, colorbar_titl
     else:
         kwargs.update(hovertemplate="step %{x}, expert %{y}<br>%{z:.3f}<extra></extra>")
     fig = go.Figure(go.Heatmap(z=z, x=list(steps), y=list(range(v.shape[0])), **kwargs))
+    if idle is not None and idle.any():
+        fig.add_trace(go.Heatmap(z=np.where(idle, 1.0, np.nan), x=list(steps), y=list(range(v.shape[0])),
+                                 colorscale=[[0, IDLE], [1, IDLE]], showscale=False, name="idle",
+                                 hovertemplate="step %{x}, expert %{y}<br>idle: no tokens<extra></extra>"))
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="expert", autorange="reversed")
     return finish(fig, title, height=420, legend=False)

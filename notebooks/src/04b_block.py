@@ -1,9 +1,11 @@
 # %% [markdown]
 # # 04b · The block: norms, residuals, SwiGLU and the MoE combine
 #
-# [03](03_mla.ipynb) took attention apart and [04](04_router.ipynb) the router. This notebook puts them back into
-# the block they live in, and rebuilds K2-nano's first two blocks by hand from their weights: the **dense block 0**
-# and the **MoE block 1**. Every step is checked against k2lab's own modules, with the largest difference printed.
+# [03](03_mla.ipynb) took attention apart and [04a](04a_router.ipynb) the router. This notebook puts them back into
+# the block they live in, and you write the missing pieces yourself: RMSNorm, SwiGLU, the MoE's combine and the
+# pre-norm block. Each is checked on fixed inputs against k2lab's own module, then used at once on K2-nano's
+# weights to rebuild its first two blocks, the **dense block 0** and the **MoE block 1**, compared with what the
+# model computed. [09](09_full_model.ipynb) stacks the same pieces into the whole model.
 #
 # Every one of K2's 61 blocks is **pre-norm**: each sublayer reads a normalised copy of the
 # [residual stream](GLOSSARY.md#residual-stream) and *adds* its output back; the stream itself is never normalised.
@@ -25,7 +27,7 @@
 #
 # ```mermaid
 # flowchart LR
-#   h["h = RMSNorm(resid_mid) [B, T, D]"] --> router["router (04): top-k of sigmoid + bias"]
+#   h["h = RMSNorm(resid_mid) [B, T, D]"] --> router["router (04a): top-k of sigmoid + bias"]
 #   router -- "idx, w [B, T, k]" --> experts["k routed SwiGLU experts"]
 #   h --> experts
 #   experts -- "expert_out [B, T, k, D]" --> sum["Σ_j w_j · expert_out_j"]
@@ -37,6 +39,15 @@
 #
 # K2: D = 7,168, I = 18,432 in the dense block, 2,048 in each expert, k = 8 of 384. K2-nano: D = 128, I = 384,
 # experts of 64, k = 4 of 32.
+#
+# *Sources.* The widths are the released `config.json`'s (`hidden_size`, `intermediate_size`,
+# `moe_intermediate_size`, `num_experts_per_tok`, `n_routed_experts`, `first_k_dense_replace: 1`,
+# `rms_norm_eps: 1e-6`, `hidden_act: "silu"`); the block's order (norm, attention, residual, norm, feed-forward,
+# residual) is `DeepseekV3DecoderLayer.forward` in the release's `modeling_deepseek.py`, and its SwiGLU is
+# `DeepseekV3MLP.forward`. The dense block holds 497,500,160 parameters, 101,124,096 of them in its attention
+# (counted from the same config and code, and equal to the checkpoint's tensors; k2lab reproduces both in
+# [08](08_scale.ipynb)). The K2 report describes the architecture at the level of its Table 2 and leaves these
+# details to the released code.
 
 # %% tags=["parameters"]
 from k2lab import lab
@@ -47,42 +58,79 @@ model, tok, about = lab.load_model(settings)
 print(about)
 
 # %% [markdown]
-# We record every probe for the lab's running prompt and take the block inputs from the cache, so each hand-built
-# step can be compared with what the model really computed.
+# We record every probe for the lab's running prompt and take the block inputs from the cache, so each piece you
+# write can be compared with what the model really computed.
 
 # %%
 import torch
 import torch.nn.functional as F
 
+from k2lab.lab import exercises
+
 ids = model.to_tokens(lab.PROMPT)  # [B=1, T], on the model's device
 T = ids.shape[1]
 logits, cache = model.run_with_cache(ids)
 gap = lambda a, b: (a - b).abs().max().item()  # noqa: E731  the largest difference, printed for every check
+rms = lambda t: t.pow(2).mean(-1).sqrt()  # noqa: E731  [...] each row's root mean square
 print(f"{T} tokens; residual stream {list(cache['layers.0.hook_resid_pre'].shape)} = [B, T, D]")
 
 # %% [markdown]
 # ## RMSNorm
 #
+# A block adds to the stream, block after block, so the stream's size drifts from token to token and from layer to
+# layer (the last section measures it). A sublayer should not have to cope with that: it reads a copy rescaled to a
+# fixed size. LayerNorm does it by centring and dividing by the standard deviation; RMSNorm (Zhang and Sennrich,
+# 2019) skips the centring and divides by the root mean square, one reduction instead of two:
+#
 # $$\text{RMSNorm}(x) = g \odot \frac{x}{\sqrt{\text{mean}(x^2) + \epsilon}}$$
 #
-# Every token's vector is divided by its root mean square, so each row leaves with rms 1 (before the learned
-# per-feature weight g). Unlike LayerNorm there is no centring and no bias. Block 1's first norm, by hand:
+# Every token's vector leaves with rms 1, before the learned per-feature weight g. There is no bias.
+#
+# ### Exercise 1 ★ · Write it yourself: RMSNorm
+#
+# `x` is [..., D]; normalise over the last dimension. The check uses a large eps and one tiny row, so that the eps's
+# place shows, and a stream that is not centred, so that LayerNorm's centring shows.
+
+# %%
+def my_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D], weight [D] -> [..., D]"""
+    raise NotImplementedError
+
+
+print(exercises.check_rms_norm(my_rms_norm))
+
+# %% [markdown] tags=["hint"]
+# `x.pow(2).mean(-1, keepdim=True)` is the mean square of each row, kept as [..., 1] so that it divides the row.
+# The eps goes *inside* the square root, then multiply by `weight`.
+
+# %% [markdown] tags=["solution"]
+# Mean square over the features, eps inside the root, the weight last:
+
+# %% tags=["solution"]
+def my_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+print(exercises.check_rms_norm(my_rms_norm))
+
+# %% [markdown]
+# Your RMSNorm on block 1's real input, against the block's own `input_layernorm`:
 
 # %%
 block = model.layers[1]
 x = cache["layers.1.hook_resid_pre"][0]  # [T, D] the block's input
 g, eps = block.input_layernorm.weight, block.input_layernorm.eps  # [D], 1e-6
-normed = g * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [T, D]
-print(f"max |by hand - input_layernorm(x)| = {gap(normed, block.input_layernorm(x)):.1e}")
-rms = lambda t: t.pow(2).mean(-1).sqrt()  # noqa: E731  [T] each row's root mean square
+normed = my_rms_norm(x, g, eps)  # [T, D]
+print(f"max |yours - input_layernorm(x)| = {gap(normed, block.input_layernorm(x)):.1e}")
 print(f"rms of the rows: before {rms(x).min():.2f} .. {rms(x).max():.2f}; "
       f"after, without g: {rms(normed / g).min():.4f} .. {rms(normed / g).max():.4f}")
 
 # %% [markdown]
 # ## Attention, then the first residual
 #
-# Attention (taken apart in [03](03_mla.ipynb)) reads the normalised copy; its output is *added* to the stream.
-# It needs the rotation angles of each position ([02](02_yarn.ipynb)):
+# Attention ([03](03_mla.ipynb)) reads the normalised copy; its output is *added* to the stream. It needs the
+# rotation angles of each position ([02](02_yarn.ipynb)). Here k2lab's own attention module stands in for the MLA
+# you wrote in 03 (notebooks do not share their variables; [09](09_full_model.ipynb) shows where to paste yours):
 
 # %%
 cos, sin, _ = model.rotary_and_mask(None, None, 1, T, model.device)  # [T, R] each (no pads: no mask)
@@ -94,38 +142,82 @@ print(f"max |x + attention - hook_resid_mid| = {gap(resid_mid, cache['layers.1.h
 # %% [markdown]
 # ## The dense block 0: SwiGLU
 #
-# K2's first block (`first_k_dense_replace = 1`) has no experts: one SwiGLU feed-forward, 18,432 hidden features in
-# K2, 384 in K2-nano. A SwiGLU has three matrices; the gate's output goes through SiLU, silu(z) = z · sigmoid(z),
-# and multiplies the up projection feature by feature:
+# A plain two-layer MLP, W_down relu(W_up h), lets every hidden feature through or not by its own sign. A gated
+# unit (Dauphin et al., 2017) adds a second projection that decides, feature by feature, how much of the first gets
+# through; SwiGLU (Shazeer, 2020) takes SiLU, silu(z) = z · sigmoid(z), as the gate's activation:
 #
 # $$\text{SwiGLU}(h) = W_{down}\big(\operatorname{silu}(W_{gate} h) \odot W_{up} h\big).$$
+#
+# Three matrices instead of two; K2's first block (`first_k_dense_replace = 1`) is one such SwiGLU with 18,432
+# hidden features (K2-nano: 384), and every expert of the later blocks is a small one.
+#
+# ### Exercise 2 ★ · Write it yourself: SwiGLU
+#
+# The matrices are stored as `nn.Linear` stores them, [out, in]: `gate` and `up` are [I, D], `down` is [D, I].
+
+# %%
+def my_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """x [N, D], gate [I, D], up [I, D], down [D, I] -> [N, D]"""
+    raise NotImplementedError
+
+
+print(exercises.check_swiglu(my_swiglu))
+
+# %% [markdown] tags=["hint"]
+# A matrix stored [out, in] applies as `x @ W.T`. SiLU is `F.silu`, and it goes on the gate's projection only; the
+# up projection multiplies the result feature by feature before `down`.
+
+# %% [markdown] tags=["solution"]
+# SiLU on the gate projection only, times the up projection, then down:
+
+# %% tags=["solution"]
+def my_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+print(exercises.check_swiglu(my_swiglu))
+
+# %% [markdown]
+# Yours on the dense block 0, against its recorded output:
 
 # %%
 dense = model.layers[0]
 h0 = dense.post_attention_layernorm(cache["layers.0.hook_resid_mid"][0])  # [T, D]
 mlp = dense.mlp
-hidden = F.silu(h0 @ mlp.gate_proj.weight.T) * (h0 @ mlp.up_proj.weight.T)  # [T, I]
-dense_out = hidden @ mlp.down_proj.weight.T  # [T, D]
-print(f"[T, D] {list(h0.shape)} -> [T, I] {list(hidden.shape)} -> [T, D] {list(dense_out.shape)}")
-print(f"max |SwiGLU by hand - hook_mlp_out of block 0| = {gap(dense_out, cache['layers.0.hook_mlp_out'][0]):.1e}")
+dense_out = my_swiglu(h0, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)  # [T, D]
+print(f"[T, D] {list(h0.shape)} -> [T, I] via {list(mlp.gate_proj.weight.shape)} -> [T, D] {list(dense_out.shape)}")
+print(f"max |your SwiGLU - hook_mlp_out of block 0| = {gap(dense_out, cache['layers.0.hook_mlp_out'][0]):.1e}")
 
 # %% [markdown]
 # ## The MoE block: router, routed experts, shared expert, combine
 #
-# From block 1 on, the feed-forward is a mixture of experts. Its input is the second norm's copy of the stream:
+# From block 1 on, the feed-forward is a mixture of experts. Its input is the second norm's copy of the stream, and
+# the router of [04a](04a_router.ipynb) picks each token's k experts. The cell below defines `my_router` with 04a's
+# signature: paste your own from 04a over it; until then k2lab's `Router`, loaded with the weights it is given,
+# stands in.
 
 # %%
-h = block.post_attention_layernorm(resid_mid)  # [T, D]
+from k2lab.model.moe import Router
+
+
+def my_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    """04a's exercise: x [N, D] -> (idx [N, k], weights [N, k]). A stand-in: k2lab's Router with these weights."""
+    cfg = model.config.replace(num_experts_per_tok=top_k, routed_scaling_factor=scaling)
+    router = Router(cfg).to(x.device)
+    router.load_state_dict({"weight": weight, "e_score_correction_bias": bias})
+    idx, w = router(x[None])
+    return idx[0], w[0]
+
+
+h = my_rms_norm(resid_mid, block.post_attention_layernorm.weight, eps)  # [T, D] the MoE's input
 gate = block.mlp.gate
-s = (h @ gate.weight.T).float().sigmoid()  # [T, E] affinities (04's steps 1-2)
-idx = (s + gate.e_score_correction_bias).topk(gate.top_k, dim=-1).indices  # [T, k] chosen by s + bias
-w = s.gather(-1, idx)  # [T, k] weights from s alone ...
-w = w / w.sum(-1, keepdim=True) * gate.scaling  # ... renormalised and scaled
+idx, w = my_router(h, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.scaling)  # [T, k] each
 print("same experts as hook_topk_idx:", torch.equal(idx, cache["layers.1.mlp.gate.hook_topk_idx"][0]))
 print(f"max |weights - hook_topk_weights| = {gap(w, cache['layers.1.mlp.gate.hook_topk_weights'][0]):.1e}")
 
 # %% [markdown]
-# Each routed expert is a small SwiGLU of its own. Every token runs its k chosen experts, one per *slot*:
+# Each routed expert is a small SwiGLU of its own (your `my_swiglu` again). Every token runs its k chosen experts,
+# one per *slot*:
 
 # %%
 experts = block.mlp.experts
@@ -133,8 +225,8 @@ expert_out = h.new_zeros(T, gate.top_k, h.shape[-1])  # [T, k, D]
 for t in range(T):
     for j, e in enumerate(idx[t].tolist()):
         w_gate, w_up, w_down = experts.expert_weights(e)  # [I, D], [I, D], [D, I]
-        expert_out[t, j] = (F.silu(w_gate @ h[t]) * (w_up @ h[t])) @ w_down.T
-print(f"max |experts by hand - hook_expert_out| = {gap(expert_out, cache['layers.1.mlp.hook_expert_out'][0]):.1e}")
+        expert_out[t, j] = my_swiglu(h[t:t + 1], w_gate, w_up, w_down)[0]
+print(f"max |experts - hook_expert_out| = {gap(expert_out, cache['layers.1.mlp.hook_expert_out'][0]):.1e}")
 
 # %% [markdown]
 # The **shared expert** is a SwiGLU that every token goes through, whatever the router says. The **combine** adds
@@ -143,28 +235,112 @@ print(f"max |experts by hand - hook_expert_out| = {gap(expert_out, cache['layers
 # $$\text{mlp\_out} = \text{shared}(h) + \sum_{j=1}^{k} w_j\,\text{expert}_{i_j}(h).$$
 #
 # The weights sum to `routed_scaling_factor` (2.827), not 1: the routed part is scaled up against the shared one.
+#
+# ### Exercise 3 ★ · Write it yourself: the MoE combine
+#
+# `shared` [N, D] is the shared expert's output, `expert_out` [N, k, D] the chosen experts' outputs slot by slot,
+# `weights` [N, k] the router's weights.
 
 # %%
-shared = block.mlp.shared_experts
-shared_out = F.linear(F.silu(F.linear(h, shared.gate_proj.weight)) * F.linear(h, shared.up_proj.weight),
-                      shared.down_proj.weight)  # [T, D]
-routed_out = (w[..., None] * expert_out).sum(1)  # [T, D]: sum over the k slots
-mlp_out = shared_out + routed_out
-resid_post = resid_mid + mlp_out
-print(f"max |shared by hand - hook_shared_out| = {gap(shared_out, cache['layers.1.mlp.hook_shared_out'][0]):.1e}")
-print(f"max |combine - hook_mlp_out|           = {gap(mlp_out, cache['layers.1.hook_mlp_out'][0]):.1e}")
-print(f"max |block by hand - hook_resid_post|  = {gap(resid_post, cache['layers.1.hook_resid_post'][0]):.1e}")
+def my_combine(shared: torch.Tensor, expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """shared [N, D], expert_out [N, k, D], weights [N, k] -> [N, D]"""
+    raise NotImplementedError
+
+
+print(exercises.check_moe_combine(my_combine))
+
+# %% [markdown] tags=["hint"]
+# Give the weights a feature axis (`weights[..., None]`, [N, k, 1]) so that they multiply each slot's output,
+# then sum over the slot axis (1). The weights are used as they are: they already sum to 2.827.
+
+# %% [markdown] tags=["solution"]
+# One weighted sum over the slot axis, plus the shared output:
+
+# %% tags=["solution"]
+def my_combine(shared: torch.Tensor, expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return shared + (weights[..., None] * expert_out).sum(1)
+
+
+print(exercises.check_moe_combine(my_combine))
+
+# %% [markdown]
+# The whole MoE feed-forward from your pieces, as one function of the block's second-norm output, and block 1's
+# feed-forward through it:
+
+# %%
+def my_moe(h: torch.Tensor, moe) -> torch.Tensor:
+    """h [N, D] -> [N, D]: the router, the chosen experts and the shared expert of one MoE module, combined."""
+    idx, w = my_router(h, moe.gate.weight, moe.gate.e_score_correction_bias, moe.gate.top_k, moe.gate.scaling)
+    out = h.new_zeros(*idx.shape, h.shape[-1])  # [N, k, D]
+    for e in idx.unique().tolist():  # each expert once, on the tokens that chose it
+        rows, slots = torch.where(idx == e)
+        out[rows, slots] = my_swiglu(h[rows], *moe.experts.expert_weights(e))
+    shared = moe.shared_experts
+    return my_combine(my_swiglu(h, shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight), out, w)
+
+
+mlp_out = my_moe(h, block.mlp)  # [T, D]
+print(f"max |your MoE - hook_mlp_out of block 1| = {gap(mlp_out, cache['layers.1.hook_mlp_out'][0]):.1e}")
+
+# %% [markdown]
+# ## The block
+#
+# Now the order of the parts. Pre-norm: each sublayer reads a normalised copy and adds its output to the stream it
+# read. (The original Transformer was post-norm: it normalised the stream itself after each addition.)
+#
+# ### Exercise 4 ★★ · Write it yourself: the pre-norm block
+#
+# `input_norm`, `attn`, `post_norm` and `ffn` are functions [N, D] -> [N, D] (the check passes plain functions, so
+# it needs no positions). Write one block.
+
+# %%
+def my_block(x, input_norm, attn, post_norm, ffn) -> torch.Tensor:
+    """x [N, D]; each of input_norm, attn, post_norm, ffn maps [N, D] -> [N, D]"""
+    raise NotImplementedError
+
+
+print(exercises.check_block(my_block))
+
+# %% [markdown] tags=["hint"]
+# Two lines, each of the form `x = x + sublayer(norm(x))`. The feed-forward reads the stream *after* attention has
+# been added, through its own norm; nothing ever normalises `x` itself.
+
+# %% [markdown] tags=["solution"]
+# Each sublayer adds its output to the stream it read from:
+
+# %% tags=["solution"]
+def my_block(x, input_norm, attn, post_norm, ffn) -> torch.Tensor:
+    x = x + attn(input_norm(x))
+    return x + ffn(post_norm(x))
+
+
+print(exercises.check_block(my_block))
+
+# %% [markdown]
+# Block 1 of K2-nano, all from your pieces except attention (k2lab's, as above), and block 0 with your SwiGLU:
+
+# %%
+def as_norm(norm):  # a block's RMSNorm module as your function
+    return lambda t: my_rms_norm(t, norm.weight, norm.eps)
+
+
+def as_attention(attn):  # the attention module, fed the rotations of positions 0..T-1
+    return lambda t: attn(t[None], cos, sin)[0]
+
+
+dense_ffn = lambda t: my_swiglu(t, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)  # noqa: E731
+x0 = cache["layers.0.hook_resid_pre"][0]  # [T, D] the embeddings
+mine0 = my_block(x0, as_norm(dense.input_layernorm), as_attention(dense.self_attn),
+                 as_norm(dense.post_attention_layernorm), dense_ffn)
+mine1 = my_block(mine0, as_norm(block.input_layernorm), as_attention(block.self_attn),
+                 as_norm(block.post_attention_layernorm), lambda t: my_moe(t, block.mlp))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-checks = {"RMSNorm": (normed, block.input_layernorm(x)),
-          "dense SwiGLU": (dense_out, cache["layers.0.hook_mlp_out"][0]),
-          "routed experts": (expert_out, cache["layers.1.mlp.hook_expert_out"][0]),
-          "shared expert": (shared_out, cache["layers.1.mlp.hook_shared_out"][0]),
-          "MoE combine": (mlp_out, cache["layers.1.hook_mlp_out"][0]),
-          "whole block 1": (resid_post, cache["layers.1.hook_resid_post"][0])}
-for name, (mine, theirs) in checks.items():
-    print(f"{name:<15} agrees with k2lab to float32 rounding: {torch.allclose(mine, theirs, atol=1e-4)}")
+for name, (mine, theirs) in {"block 0": (mine0, cache["layers.0.hook_resid_post"][0]),
+                             "block 1": (mine1, cache["layers.1.hook_resid_post"][0])}.items():
+    print(f"{name} from your pieces agrees with hook_resid_post to float32 rounding: "
+          f"{torch.allclose(mine, theirs, atol=1e-4)}")
 
 # %% [markdown]
 # ## Pre-norm: the stream grows, each sublayer reads a normalised copy
@@ -180,77 +356,31 @@ for i in range(len(model.layers)):
           f"feed-forward {rms(mlp_w).item():5.2f}")
 
 # %% [markdown]
-# A post-norm block (the original Transformer's) would normalise the stream itself after each addition. Pre-norm
-# keeps an unnormalised path from the embedding to the head: each block's contribution stays in the sum, which is
-# what lets [06](06_logits.ipynb) split the final logits over the blocks.
+# A post-norm block would normalise the stream itself after each addition. Pre-norm keeps an unnormalised path from
+# the embedding to the head: each block's contribution stays in the sum, which is what lets [06](06_logits.ipynb)
+# split the final logits over the blocks. The next piece of the construction is the whole model, in
+# [09](09_full_model.ipynb): the embedding, 6 blocks (61 in K2) of what you wrote here, the final norm and the head,
+# from K2-nano's state dict.
 #
-# ## Exercises
+# ## More exercises
 #
-# **1. Predict, then run.** At the last token, which writes more into the residual stream in each MoE layer: the
-# one shared expert, or the k routed experts together (after their weights)? Write your guess, then compare the
-# rms of `layers.{i}.mlp.hook_shared_out` and `layers.{i}.mlp.hook_routed_out`.
+# ### Exercise 5 ★ · Predict, then run: shared or routed?
+#
+# At the last token, which writes more into the residual stream in each MoE layer: the one shared expert, or the k
+# routed experts together (after their weights)? Write your guess, then compare the rms of
+# `layers.{i}.mlp.hook_shared_out` and `layers.{i}.mlp.hook_routed_out`.
 
 # %%
 # your code here: compare rms(cache[f"layers.{i}.mlp.hook_shared_out"][0, -1]) and the routed one
 
-# %% [markdown]
-# **2. Change a knob.** Remove the shared expert from every MoE layer (a hook that returns `t * 0` on
-# `hook_shared_out`) and predict: does the model's top next token survive? Then remove the routed experts instead
-# (`hook_routed_out`). Which one mattered more here?
+# %% [markdown] tags=["hint"]
+# The routed weights sum to 2.827, and each chosen expert was chosen because its affinity for this token is high.
+# Loop over the layers that have a `hook_shared_out` in the cache and print both rms values side by side.
 
-# %%
-top = lambda out: tok.id_to_piece(int(out[0, -1].argmax()))  # noqa: E731
-print("the model's top next token:", repr(top(logits)))
-# your code here: a selector can be a predicate over probe names, for every MoE layer at once:
-# with model.hooks(fwd_hooks=[(lambda name: name.endswith("hook_shared_out"), lambda t, hook: t * 0)]): ...
-
-# %% [markdown]
-# **3. Write it yourself: RMSNorm and SwiGLU.** Fill in the two functions; the checks run them on fixed inputs
-# against k2lab's modules and say what is wrong if something is.
-
-# %%
-from k2lab.lab import exercises
-
-
-def my_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D], weight [D] -> [..., D]"""
-    raise NotImplementedError
-
-
-def my_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x [N, D], gate [I, D], up [I, D], down [D, I] -> [N, D]"""
-    raise NotImplementedError
-
-
-print(exercises.check_rms_norm(my_rms_norm))
-print(exercises.check_swiglu(my_swiglu))
-
-# %% [markdown]
-# **4. Write it yourself: the MoE combine and the whole block.** `my_combine` adds the shared expert's output to
-# the weighted sum of the routed slots; `my_block` is one pre-norm block, given its two norms and two sublayers as
-# functions.
-
-# %%
-def my_combine(shared: torch.Tensor, expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """shared [N, D], expert_out [N, k, D], weights [N, k] -> [N, D]"""
-    raise NotImplementedError
-
-
-def my_block(x, input_norm, attn, post_norm, ffn) -> torch.Tensor:
-    """x [N, D]; each of input_norm, attn, post_norm, ffn maps [N, D] -> [N, D]"""
-    raise NotImplementedError
-
-
-print(exercises.check_moe_combine(my_combine))
-print(exercises.check_block(my_block))
-
-# %% [markdown]
-# ## Solutions
-#
-# Expand a cell to read it (each is run with the notebook, so it is known to pass).
-#
-# **1.** In K2-nano the routed experts write several times more than the shared one in every MoE layer: the
-# weights sum to 2.827, and the router picked experts that respond strongly to this token.
+# %% [markdown] tags=["solution"]
+# In K2-nano the routed experts write more than the shared one in every MoE layer at this token, between 2.5 and
+# 5.1 times as much (the printed ratios): their weights sum to 2.827, and the router picked experts that respond
+# strongly to this token.
 
 # %% tags=["solution"]
 for i in [i for i in range(len(model.layers)) if f"layers.{i}.mlp.hook_shared_out" in cache]:
@@ -259,7 +389,27 @@ for i in [i for i in range(len(model.layers)) if f"layers.{i}.mlp.hook_shared_ou
     print(f"layer {i}: shared {shared_rms:5.2f}, routed {routed_rms:5.2f} ({routed_rms / shared_rms:.1f}x)")
 
 # %% [markdown]
-# **2.** The knob, both ways (the answer for K2-nano is printed below the cell):
+# ### Exercise 6 ★★ · Change a knob: remove the shared expert, or the routed ones
+#
+# Remove the shared expert from every MoE layer (a hook that returns `t * 0` on `hook_shared_out`) and predict:
+# does the model's top next token survive? Then remove the routed experts instead (`hook_routed_out`). Which one
+# mattered more here?
+
+# %%
+top = lambda out: tok.id_to_piece(int(out[0, -1].argmax()))  # noqa: E731
+print("the model's top next token:", repr(top(logits)))
+# your code here: a selector can be a predicate over probe names, for every MoE layer at once:
+# with model.hooks(fwd_hooks=[(lambda name: name.endswith("hook_shared_out"), lambda t, hook: t * 0)]): ...
+
+# %% [markdown] tags=["hint"]
+# Run `model(ids)` inside each `with model.hooks(...)` block and compare `top(out)` and the probability of the top
+# token, `out[0, -1].softmax(-1).max()`, with the unchanged model's.
+
+# %% [markdown] tags=["solution"]
+# The top token survives both: ` r` stays first. Without the shared expert its probability falls from 0.72 to
+# 0.58, without the routed experts to 0.33, so here the routed experts matter more. That agrees with exercise 5,
+# but it is the probabilities that answer the question, not the rms: a part can write a large vector that later
+# layers mostly ignore. (The values are K2-nano's, printed by the cell.)
 
 # %% tags=["solution"]
 for part in ("hook_shared_out", "hook_routed_out"):
@@ -267,38 +417,3 @@ for part in ("hook_shared_out", "hook_routed_out"):
         out = model(ids)
     print(f"without {part.removeprefix('hook_').removesuffix('_out')}: top next token {top(out)!r}, "
           f"p = {out[0, -1].softmax(-1).max().item():.2f} (with both: p = {logits[0, -1].softmax(-1).max():.2f})")
-
-# %% [markdown]
-# **3.** RMSNorm divides by the root of the mean square *plus* eps, then multiplies by g; SwiGLU puts SiLU on the
-# gate projection only.
-
-# %% tags=["solution"]
-def my_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def my_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
-
-
-assert exercises.check_rms_norm(my_rms_norm) and exercises.check_swiglu(my_swiglu)
-print(exercises.check_rms_norm(my_rms_norm))
-print(exercises.check_swiglu(my_swiglu))
-
-# %% [markdown]
-# **4.** The combine is one weighted sum over the slot axis plus the shared output; the block adds each sublayer's
-# output to the stream it read from.
-
-# %% tags=["solution"]
-def my_combine(shared: torch.Tensor, expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return shared + (weights[..., None] * expert_out).sum(1)
-
-
-def my_block(x, input_norm, attn, post_norm, ffn) -> torch.Tensor:
-    x = x + attn(input_norm(x))
-    return x + ffn(post_norm(x))
-
-
-assert exercises.check_moe_combine(my_combine) and exercises.check_block(my_block)
-print(exercises.check_moe_combine(my_combine))
-print(exercises.check_block(my_block))

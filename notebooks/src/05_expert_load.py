@@ -15,6 +15,13 @@
 # | co-activation (OLMoE) | C(i → j) = N(i and j) / N(i) | (k − 1) / (E − 1) |
 # | consecutive overlap | share of neighbours t, t+1 with S_t ∩ S_t+1 ≠ ∅ | 1 − C(E−k, k) / C(E, k) |
 # | router entropy | −Σ p ln p, p = s / Σ s | at most ln E |
+#
+# *Sources.* MaxVio is the measure of Wang et al. (2024), "Auxiliary-Loss-Free Load Balancing Strategy for
+# Mixture-of-Experts" (arXiv 2408.15664), the paper the correction bias comes from; domain and vocabulary
+# specialisation and co-activation are OLMoE's (Muennighoff et al., 2024, arXiv 2409.02060, section 5). The K2
+# figures used below (384 experts, 8 per token) are the released `config.json`'s. The K2 report publishes no
+# routing statistics of this kind, so everything measured here is K2-nano's, a 32-expert model trained on Python's
+# standard library: it shows how to read the metrics, not how K2's experts specialise.
 
 # %% tags=["parameters"]
 from k2lab import lab
@@ -60,17 +67,55 @@ print({name: list(batch.shape) for name, batch in batches.items()},
 # %% [markdown]
 # ## Load
 #
-# K2-nano's experts were balanced during training by DeepSeek-V3's correction-bias rule ([04](04_router.ipynb),
-# [10](10_training.ipynb)). How even is the result on text it never saw? The heatmap shows each expert's load
-# against the uniform share (blue: under-used, red: over-used, on a colour range fitted to the data; grey: idle,
-# no tokens at all); the bars show [MaxVio](GLOSSARY.md#maxvio), the busiest expert's excess.
+# K2-nano's experts were balanced during training by DeepSeek-V3's correction-bias rule ([04a](04a_router.ipynb),
+# [10](10_training.ipynb)). How even is the result on text it never saw? Count, for each MoE layer and expert, the
+# tokens whose k chosen experts include it, and summarise each layer by one number: how far the busiest expert is
+# above the mean load. That is [MaxVio](GLOSSARY.md#maxvio), 0 when every expert gets the same number of tokens.
+#
+# ### Exercise 1 ★ · Write it yourself: MaxVio
+#
+# From expert counts [L, E], one value per layer: the busiest expert's load over the mean load, minus 1. The check
+# feeds it loads whose mean and maximum make the usual slips differ (a forgotten − 1, a percentage, the total
+# instead of the mean, a spread such as (max − min) / mean, the wrong axis).
+
+# %%
+from k2lab.lab import exercises
+
+
+def my_max_violation(counts: torch.Tensor) -> torch.Tensor:
+    """counts [L, E] (integers) -> MaxVio [L]"""
+    raise NotImplementedError
+
+
+print(exercises.check_max_violation(my_max_violation))
+
+# %% [markdown] tags=["hint"]
+# Reduce over the last axis (the experts): `counts.amax(-1)` and `counts.mean(-1)`. The counts are integers, and
+# `mean` refuses integer tensors: convert them to floating point first.
+
+# %% [markdown] tags=["solution"]
+# Work in floating point (the mean of integers is not an integer) and reduce over the experts:
+
+# %% tags=["solution"]
+def my_max_violation(counts: torch.Tensor) -> torch.Tensor:
+    c = counts.double()
+    return c.amax(-1) / c.mean(-1) - 1
+
+
+print(exercises.check_max_violation(my_max_violation))
+
+# %% [markdown]
+# Your MaxVio on the held-out counts (code and prose together, 4,096 tokens), beside the extremes of each layer.
+# The heatmap then shows every expert's load against the uniform share (blue: under-used, red: over-used, on a
+# colour range fitted to the data; grey: idle, no tokens at all), with MaxVio in the bars beside it.
 
 # %%
 counts = routing.expert_counts(traces["code"]) + routing.expert_counts(traces["prose"])  # [L_moe, E]
-max_vio = routing.max_violation(counts)  # [L_moe]
+max_vio = my_max_violation(counts)  # [L_moe]
 for layer, vio, c in zip(layers, max_vio.tolist(), counts.tolist(), strict=True):
     print(f"layer {layer}: MaxVio {vio:.2f}  (busiest expert {max(c)} tokens, idlest {min(c)}, "
           f"mean {sum(c) / E:.0f})")
+print("equal to routing.max_violation:", torch.allclose(max_vio.float(), routing.max_violation(counts)))
 
 # %% tags=["nbval-ignore-output"]
 from k2lab import viz
@@ -198,48 +243,47 @@ maxima = dict(zip(entropies, [math.log(E), math.log(k)], strict=True))
 viz.entropy_figure(entropies, maxima, layers, title="Router entropy per token on code")
 
 # %% [markdown]
-# ## Exercises
+# ## More exercises
 #
-# **1. Predict, then run.** What is MaxVio for loads [10, 10, 10, 10]? For [40, 0, 0, 0]? For E experts with all
-# tokens on one? Predict, then run `routing.max_violation(torch.tensor([...]))`.
+# ### Exercise 2 ★ · Predict, then run: MaxVio's range
 #
-# **2. Change a knob.** Count only each token's *first* choice: `routing.expert_counts(tr, top=1)`. Predict first:
-# is the first choice more or less balanced than all k choices together?
+# What is MaxVio for loads [10, 10, 10, 10]? For [40, 0, 0, 0]? For E experts with all tokens on one? Predict, then
+# run `routing.max_violation(torch.tensor([...]))` (or your own).
 
 # %%
 # your code here
 
-# %% [markdown]
-# **3. Write it yourself: MaxVio.** From expert counts [L, E], one value per layer: the busiest expert's load
-# over the mean load, minus 1. Then apply your function to the code and prose counts above.
+# %% [markdown] tags=["hint"]
+# MaxVio = max / mean − 1. When all N tokens go to one of E experts, the maximum is N and the mean is N / E.
 
-# %%
-from k2lab.lab import exercises
-
-
-def my_max_violation(counts: torch.Tensor) -> torch.Tensor:
-    """counts [L, E] (integers) -> MaxVio [L]"""
-    raise NotImplementedError
-
-
-print(exercises.check_max_violation(my_max_violation))
-
-# %% [markdown]
-# ## Solutions
-#
-# **1.** 0 when balanced; with everything on one of E experts, max / mean = E, so MaxVio = E − 1 (3 for four
-# experts, 383 for K2's 384).
+# %% [markdown] tags=["solution"]
+# 0 when balanced; with everything on one of E experts, max / mean = E, so MaxVio = E − 1 (3 for four experts, 383
+# for K2's 384). So MaxVio is not bounded by 1: a value of 1.5 means the busiest expert has 2.5 times its share.
 
 # %% tags=["solution"]
 print(routing.max_violation(torch.tensor([[10, 10, 10, 10], [40, 0, 0, 0]])).tolist())
 
 # %% [markdown]
-# **2.** Less balanced. The balancing rule of training ([10](10_training.ipynb)) pushes towards equal c_e, the
-# number of tokens with expert e among their k choices (all k slots counted alike); it never looks at which slot
-# an expert fills, so nothing evens out the first choices. The bias does move some of them, since the first
-# choice is the top of s + b: in K2-nano it changes 9–25% of first choices, depending on the layer, against
-# 45–90% of the chosen sets. The first choices stay far less even than all k together: MaxVio 2.5 to 4.0
-# against 0.4 to 1.5 (the printed values are K2-nano's answer).
+# ### Exercise 3 ★★ · Change a knob: the first choice alone
+#
+# Count only each token's *first* choice: `routing.expert_counts(tr, top=1)`. Predict first: is the first choice
+# more or less balanced than all k choices together? Then think about what the balancing rule of training looks at.
+
+# %%
+# your code here
+
+# %% [markdown] tags=["hint"]
+# Sum `routing.expert_counts(t, top=1)` over the two traces and compare its MaxVio with that of `counts`. For the
+# why: the rule ([10](10_training.ipynb)) moves expert e's bias by the sign of mean(c) − c_e, and c_e counts a
+# token whichever of its k slots e fills.
+
+# %% [markdown] tags=["solution"]
+# Less balanced. The balancing rule of training ([10](10_training.ipynb)) pushes towards equal c_e, the number of
+# tokens with expert e among their k choices (all k slots counted alike); it never looks at which slot an expert
+# fills, so nothing evens out the first choices. The bias does move some of them, since the first choice is the top
+# of s + b: in K2-nano it changes 9–25% of first choices, depending on the layer, against 45–90% of the chosen
+# sets. The first choices stay far less even than all k together: MaxVio 2.5 to 4.0 against 0.4 to 1.5 (the
+# printed values are K2-nano's answer).
 
 # %% tags=["solution"]
 first = sum(routing.expert_counts(t, top=1) for t in traces.values())
@@ -249,16 +293,3 @@ for name, t in traces.items():  # share of tokens whose first choice differs fro
     moved = (t.indices[..., 0] != t.unbiased_indices[..., 0]).float().flatten(1).mean(-1)  # [L_moe]
     print(f"{name}: first choice changed by the bias", [f"{v:.0%}" for v in moved.tolist()],
           "| chosen set changed", [f"{v:.0%}" for v in t.bias_flips.float().flatten(1).mean(-1).tolist()])
-
-# %% [markdown]
-# **3.** Work in floating point (the mean of integers is not an integer):
-
-# %% tags=["solution"]
-def my_max_violation(counts: torch.Tensor) -> torch.Tensor:
-    c = counts.double()
-    return c.amax(-1) / c.mean(-1) - 1
-
-
-assert exercises.check_max_violation(my_max_violation)
-print(exercises.check_max_violation(my_max_violation))
-print("on the held-out counts:", [round(v, 2) for v in my_max_violation(counts).tolist()])

@@ -10,6 +10,12 @@
 # output, plus each layer's feed-forward output (for MoE layers, the shared expert plus the weighted routed
 # experts). This notebook reads that sum two ways: the **logit lens** (stop after any layer and read off a guess)
 # and **direct logit attribution** (how much each term pushes one logit).
+#
+# *Sources.* The untied head is the released `config.json`'s `tie_word_embeddings: false` (the checkpoint stores
+# `lm_head.weight` apart from `model.embed_tokens.weight`); the final RMSNorm and the float32 logits are
+# `DeepseekV3ForCausalLM.forward` in the release's `modeling_deepseek.py`. The logit lens is nostalgebraist's
+# (2020) and direct logit attribution follows Elhage et al., "A Mathematical Framework for Transformer Circuits"
+# (2021). Every reading below is K2-nano's; the K2 report publishes no interpretability results to compare with.
 
 # %% tags=["parameters"]
 from k2lab import lab
@@ -72,6 +78,40 @@ for layer, p in enumerate(lens[:, -1, target].tolist()):
 # A term's contribution is how much it pushes the logit *directly*, through the head; it is not what removing the
 # term would change (later layers read it too).
 #
+# ### Exercise 1 ★★ · Write it yourself: one term's direct attribution
+#
+# Given a term c, the final residual x_L, the final norm's weight g, a head row u (or a difference of two rows) and
+# eps, return u · (g ⊙ c) / rms(x_L), with rms(x_L) = sqrt(mean(x_L²) + eps) as the final norm computes it. The
+# check's stream is small beside its eps, so that leaving eps out, or putting it outside the root, shows; it also
+# knows the term divided by its *own* rms.
+
+# %%
+from k2lab.lab import exercises
+
+
+def my_attribution(component, x_final, norm_weight, unembed_row, eps) -> float:
+    """component, x_final, norm_weight, unembed_row: [D] -> the component's direct contribution (a float)"""
+    raise NotImplementedError
+
+
+print(exercises.check_logit_attribution(my_attribution))
+
+# %% [markdown] tags=["hint"]
+# The norm's scale is the same for every term: compute `rms = torch.sqrt(x_final.pow(2).mean() + eps)` from the
+# *whole* final residual, then `(unembed_row * norm_weight * component).sum() / rms`. Return a Python float.
+
+# %% [markdown] tags=["solution"]
+# Divide by the rms of the *whole* final residual, the same for every term, eps inside the root:
+
+# %% tags=["solution"]
+def my_attribution(component, x_final, norm_weight, unembed_row, eps) -> float:
+    rms = torch.sqrt(x_final.pow(2).mean() + eps)
+    return float((unembed_row * norm_weight * component).sum() / rms)
+
+
+print(exercises.check_logit_attribution(my_attribution))
+
+# %% [markdown]
 # One logit alone mixes two things: what makes this token likely, and what makes *every* token of its kind likely.
 # Attributing a **logit difference** between the right token and a plausible alternative cancels the shared part
 # and asks the sharper question: what makes the model prefer ` r` (the start of ` radius`) over ` (`, which would
@@ -91,6 +131,17 @@ print(f"logit difference {tok.id_to_piece(target)!r} - {tok.id_to_piece(alternat
 target_name = f"logit({tok.id_to_piece(target)!r}) − logit({tok.id_to_piece(alternative)!r})"
 viz.attribution_figure(labels, values[:, 0], x_title=f"contribution to {target_name}",
                        title="Direct logit attribution by layer: attention, shared and routed experts")
+
+# %% [markdown]
+# Your function gives the embedding's term, the first of the sum, as k2lab's `logit_attribution` does:
+
+# %%
+x_final = cache[f"layers.{len(model.layers) - 1}.hook_resid_post"][0, -1]  # [D] x_L at the last position
+embed = my_attribution(cache["embed_tokens.hook_out"][0, -1], x_final, model.norm.weight, direction, model.norm.eps)
+print(f"embedding: yours {embed:+.4f}, k2lab {values[labels.index('embed'), 0].item():+.4f}")
+
+# %% [markdown]
+# The largest terms:
 
 # %%
 order = values[:, 0].abs().argsort(descending=True)
@@ -193,47 +244,48 @@ print(prompt + tok.decode(fast[0, ids.shape[1]:]))
 # again is its most likely next step ([00](00_tour.ipynb) shows sampling breaking the loop).
 
 # %% [markdown]
-# ## Exercises
+# ## More exercises
 #
-# **1. Predict, then run.** Look at the logit lens figure again. At which layer does ` r` first become the top
-# guess at the last position? Predict from the figure, then print `lens[:, -1].argmax(-1)` as tokens.
+# ### Exercise 2 ★ · Predict, then run: when does ` r` win?
 #
-# **2. Change a knob.** Replace the alternative ` (` by ` ` (a space, the model's second guess) and redo the
-# attribution. Which terms keep their sign, and which flip? What does that say about what each term "knows"?
+# Look at the logit lens figure again. At which layer does ` r` first become the top guess at the last position?
+# Predict from the figure, then print `lens[:, -1].argmax(-1)` as tokens.
 
 # %%
 # your code here
 
-# %% [markdown]
-# **3. Write it yourself: one term's direct attribution.** Given a term c, the final residual x_L, the final
-# norm's weight g, a head row (or a difference of rows) u and eps, return u · (g ⊙ c) / rms(x_L). Then use it to
-# reproduce the embedding's contribution above from `cache["embed_tokens.hook_out"]`.
+# %% [markdown] tags=["hint"]
+# `lens` is [L, 16, V] probabilities for the last 16 positions; `lens[:, -1]` is the last position at every layer.
+# `tok.id_to_piece` turns each argmax into its token.
 
-# %%
-from k2lab.lab import exercises
-
-
-def my_attribution(component, x_final, norm_weight, unembed_row, eps) -> float:
-    """component, x_final, norm_weight, unembed_row: [D] -> the component's direct contribution (a float)"""
-    raise NotImplementedError
-
-
-print(exercises.check_logit_attribution(my_attribution))
-
-# %% [markdown]
-# ## Solutions
-#
-# **1.** Only the last layer: through layer 4 the top guess is a space (p(` r`) is 0.075 after layer 4), and ` r`
-# wins after layer 5. Layer 4's copying head has written its push by then, but the stream still favours other
-# tokens until layer 5 adds its own.
+# %% [markdown] tags=["solution"]
+# Only at the last layer: through layer 4 the top guess is a space (p(` r`) is 0.075 after layer 4), and ` r` wins
+# after layer 5. Layer 4's copying head has written its push by then, but the stream still favours other tokens
+# until layer 5 adds its own.
 
 # %% tags=["solution"]
 guesses = [tok.id_to_piece(i) for i in lens[:, -1].argmax(-1).tolist()]
 print("top guess at the last position, layer by layer:", guesses)
 
 # %% [markdown]
-# **2.** Against a space the large terms keep their signs and roughly their sizes: they push ` r` itself (the
-# copied name) rather than against one particular rival. The attribution against each alternative, term by term:
+# ### Exercise 3 ★★ · Change a knob: another alternative
+#
+# Replace the alternative ` (` by ` ` (a space, the model's second guess) and redo the attribution. Which terms keep
+# their sign, and which flip? What does that say about what each term "knows"?
+
+# %%
+# your code here
+
+# %% [markdown] tags=["hint"]
+# Only the direction changes: `model.lm_head.weight[target] - model.lm_head.weight[space]` with
+# `space = tok.encode(" ")[0]`, passed to `cache.logit_attribution(..., pos=-1)`. Print the same terms (`order`)
+# against both alternatives side by side.
+
+# %% [markdown] tags=["solution"]
+# None of the six largest terms flips. Against a space they keep their signs and, for the attention terms, roughly
+# their sizes (layer 4's attention +3.90 against both): they push ` r` itself, the copied name, rather than against
+# one particular rival. The routed experts move more: layer 4's routed term halves (−0.96 to −0.44) and layer 1's
+# grows (−0.57 to −0.88), so what they push against depends more on the rival.
 
 # %% tags=["solution"]
 space = tok.encode(" ")[0]
@@ -241,17 +293,3 @@ against_space = cache.logit_attribution(model.lm_head.weight[target] - model.lm_
 _, values_space = against_space.components(split_moe=True)
 for n in order[:6].tolist():
     print(f"{labels[n]:<10} vs ' (' {values[n, 0].item():+.2f}   vs ' ' {values_space[n, 0].item():+.2f}")
-
-# %% [markdown]
-# **3.** Divide by the rms of the *whole* final residual, the same for every term:
-
-# %% tags=["solution"]
-def my_attribution(component, x_final, norm_weight, unembed_row, eps) -> float:
-    rms = torch.sqrt(x_final.pow(2).mean() + eps)
-    return float((unembed_row * norm_weight * component).sum() / rms)
-
-
-assert exercises.check_logit_attribution(my_attribution)
-print(exercises.check_logit_attribution(my_attribution))
-embed = my_attribution(cache["embed_tokens.hook_out"][0, -1], x_last, model.norm.weight, direction, model.norm.eps)
-print(f"embedding: mine {embed:+.4f}, k2lab {values[labels.index('embed'), 0].item():+.4f}")

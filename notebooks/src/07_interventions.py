@@ -114,7 +114,7 @@ viz.attribution_figure(list(results), torch.tensor(list(results.values())),
 #
 # `force_route` overrides the choice. Forcing a single expert the router disliked into one slot is close to a
 # no-op *by construction*: the router weighs the experts it is given by their affinities s, and a disliked expert's
-# affinity is small, so its slot gets a small weight (try it in exercise 2). To test whether the router's choice
+# affinity is small, so its slot gets a small weight (try it in exercise 3). To test whether the router's choice
 # matters, replace **all** k slots with the k experts it liked *least*, for every token: an anti-router. One layer
 # at a time, then all MoE layers at once:
 
@@ -174,8 +174,10 @@ viz.effect_heatmap(p_without - prob(logits), [f"layer {i}" for i in range(len(mo
 #
 # ## Editing the bias
 #
-# The correction bias only moves the choice ([04](04_router.ipynb) measures what it buys: balance, at almost no
-# cost in loss). A very negative bias removes an expert from every choice, without touching any weight:
+# The correction bias only moves the choice. [04a](04a_router.ipynb) measured what removing K2-nano's trained bias
+# does at inference: the load grows far less even (MaxVio up to 4.91 from at most 1.01) and the loss rises by 0.025
+# nats per token; it did not measure what the bias costs in training. Here the bias is a tool: a very negative
+# bias removes an expert from every choice, without touching any weight:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -232,6 +234,47 @@ print(f"largest restoration {restored.max().item():.2f} at layer {patched_layers
 viz.effect_heatmap(restored, [f"layer {i} resid_pre" for i in patched_layers],
                    [tok.id_to_piece(i) for i in clean[0].tolist()], colorbar_title="restored",
                    title="Patching the clean residual stream into the corrupted run")
+
+# %% [markdown]
+# ### Exercise 1 ★★ · Write it yourself: a patching hook
+#
+# `patch` is a hook on a probe. Write its core: return the activation with the source's values at the given
+# positions (axis 1 of [B, T, D]), *without* changing the activation in place: another probe, or the cache, may hold
+# that very tensor. Then use your function through `model.hooks` to reproduce the heatmap's largest cell.
+
+# %%
+from k2lab.lab import exercises
+
+
+def my_patch(activation: torch.Tensor, source: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """activation, source [B, T, D] -> [B, T, D] with source's values at ``positions``"""
+    raise NotImplementedError
+
+
+print(exercises.check_patch_hook(my_patch))
+
+# %% [markdown] tags=["hint"]
+# `out = activation.clone()`, then assign `source[:, positions]` to `out[:, positions]`. A hook is called as
+# `hook(activation, hook)` and its return value replaces the activation: wrap your function in a lambda that
+# passes `clean_cache[name]` and `[t]`.
+
+# %% [markdown] tags=["solution"]
+# Clone, then write into the copy; the hook receives the activation and the probe, and the lambda supplies the
+# clean run's activation and the position:
+
+# %% tags=["solution"]
+def my_patch(activation: torch.Tensor, source: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    out = activation.clone()
+    out[:, positions] = source[:, positions]
+    return out
+
+
+print(exercises.check_patch_hook(my_patch))
+row, t = divmod(best, T)
+name = f"layers.{patched_layers[row]}.hook_resid_pre"
+with model.hooks(fwd_hooks=[(name, lambda act, hook: my_patch(act, clean_cache[name], [t]))]):
+    mine = (ld(model(corrupt)) - ld_corrupt) / (ld_clean - ld_corrupt)
+print(f"{name}, position {t}: restored {mine:.2f} (heatmap: {restored.max().item():.2f})")
 
 # %% [markdown]
 # ## Prompts of different lengths: a padded batch
@@ -295,7 +338,7 @@ fig
 # nothing elsewhere (correlation 0.98). But it is not the patch. Where a cell matters most it falls short: at
 # layers 0 to 2 the opening quote restores about 0.8 while the estimate says 0.5 to 0.65, and at layer 4 the last
 # position restores 0.62 against an estimate of 0.42. The first-order term is exact only where LD is linear in
-# the patched activation (exercise 3), and the further the activation is from the output, the more non-linear
+# the patched activation (exercise 4), and the further the activation is from the output, the more non-linear
 # steps lie between: attention softmaxes, RMSNorms, SwiGLUs and the router's top-k, whose switch from one expert
 # to another the gradient cannot see at all (top-k is piecewise constant). A large change (here the whole quote
 # style) also leaves the region where the tangent is a good guide: the errors go both ways (layer 4's opening
@@ -305,52 +348,46 @@ fig
 # Use it as a cheap map to choose which cells to patch for real, as Nanda suggests, not as the measurement.
 
 # %% [markdown]
-# ## Exercises
+# ## More exercises
 #
-# **1. Predict, then run.** Zero layer 5's head 3 at the last position *together with* layer 4's head 0. Will
-# p(` r`) fall below what removing head 0 alone gave? Predict, then pass both hooks to `model.hooks`.
+# ### Exercise 2 ★ · Predict, then run: two heads at once
 #
-# **2. Change a knob.** Force only the single least-liked expert into the last token's first slot at the last
-# layer (`force_route(model, {layer: [least]}, positions=[-1])`), and print its weight from `routing.trace`.
-# Predict the weight before you run it, from its affinity s.
-
-#
-# **3. Predict, then run: where is the estimate exact?** `norm.hook_out` is the final norm's output, which the head
-# multiplies to give the logits; `layers.5.hook_resid_post` is the same stream before that norm. At the last
-# position, will `attribution_patch` match the real patch (`patch(model, cache, name, positions=[T - 1])`) on
-# both? Predict, then compare the two numbers for each.
+# Zero layer 5's head 3 at the last position *together with* layer 4's head 0. Will p(` r`) fall below what
+# removing head 0 alone gave (0.04)? Predict, then pass both hooks to `model.hooks`.
 
 # %%
 # your code here
 
-# %% [markdown]
-# **4. Write it yourself: a patching hook.** Return the activation with the source's values at the given
-# positions, *without* changing the activation in place. Then use it through `model.hooks` to reproduce the
-# largest cell of the patching heatmap.
+# %% [markdown] tags=["hint"]
+# `model.hooks(fwd_hooks=[(name_1, zero_head(0)), (name_2, zero_head(3))])` with the two `self_attn.hook_z` names;
+# `prob(model(ids))` inside the `with` block.
 
-# %%
-from k2lab.lab import exercises
-
-
-def my_patch(activation: torch.Tensor, source: torch.Tensor, positions: list[int]) -> torch.Tensor:
-    """activation, source [B, T, D] -> [B, T, D] with source's values at ``positions``"""
-    raise NotImplementedError
-
-
-print(exercises.check_patch_hook(my_patch))
-
-# %% [markdown]
-# ## Solutions
-#
-# **1.** The two heads together:
+# %% [markdown] tags=["solution"]
+# Yes, by a factor of 20: p(` r`) falls to 0.002, from 0.040 with layer 4's head 0 alone. Layer 5's head 3 supplied
+# most of what remained; the heatmap showed it as the second head that matters.
 
 # %% tags=["solution"]
 with model.hooks(fwd_hooks=[("layers.4.self_attn.hook_z", zero_head(0)), ("layers.5.self_attn.hook_z", zero_head(3))]):
     print(f"without L4.h0 and L5.h3: p = {prob(model(ids)):.3f} (L4.h0 alone: {p_without[4, 0].item():.3f})")
 
 # %% [markdown]
-# **2.** Its weight is its affinity over the sum of the chosen experts' affinities, times 2.827: small, because
-# its affinity is the smallest of all.
+# ### Exercise 3 ★★ · Change a knob: one unwanted expert
+#
+# Force only the single least-liked expert into the last token's first slot at the last layer
+# (`force_route(model, {layer: [least]}, positions=[-1])`), and print its weight from `routing.trace`. Predict the
+# weight before you run it, from its affinity s.
+
+# %%
+# your code here
+
+# %% [markdown] tags=["hint"]
+# The least-liked expert is `tr.choice_scores[tr.row(layer), 0, -1].argmin()`. Its weight is its affinity divided
+# by the sum of the four chosen affinities, times 2.827 ([04a](04a_router.ipynb), step 5).
+
+# %% [markdown] tags=["solution"]
+# The weight is small because the affinity is: expert 28 has s = 0.038, so it gets 0.065 of the 2.827 while the
+# three experts it joins keep theirs (1.145, 0.870, 0.747), and log p changes by only −0.034. Forcing an expert
+# into a slot does not force the model to use it: the router weighs it by its own affinity.
 
 # %% tags=["solution"]
 least = int(tr.choice_scores[tr.row(layer), 0, -1].argmin())
@@ -362,9 +399,26 @@ print(f"forced expert {least} (s = {tr.scores[j, 0, -1, least].item():.3f}): cho
       f"weights {[round(w, 3) for w in forced.weights[j, 0, -1].tolist()]}; change in log p {delta:+.3f}")
 
 # %% [markdown]
-# **3.** LD is a difference of two rows of the head applied to `norm.hook_out`: linear, so the first-order estimate
-# is the exact change. Before the norm, the patch also changes the rms that divides x, which the tangent only
-# approximates:
+# ### Exercise 4 ★★ · Predict, then run: where is the estimate exact?
+#
+# `norm.hook_out` is the final norm's output, which the head multiplies to give the logits;
+# `layers.5.hook_resid_post` is the same stream before that norm. At the last position, will `attribution_patch`
+# match the real patch (`patch(model, cache, name, positions=[T - 1])`) on both? Predict, then compare the two
+# numbers for each.
+
+# %%
+# your code here
+
+# %% [markdown] tags=["hint"]
+# Ask where LD is a linear function of the patched activation. Record both probes on the clean run
+# (`model.run_with_cache(clean, names=[...])`), run `attribution_patch(model, clean, corrupt, ld_tensor, names=[...])`,
+# and for each name the real patch's change in LD is `ld(model(corrupt)) - ld_corrupt` inside `patch(...)`.
+
+# %% [markdown] tags=["solution"]
+# Exact after the norm, not before it. LD is a difference of two rows of the head applied to `norm.hook_out`:
+# linear, so the first-order estimate is the exact change (+8.6239 both). Before the norm, the patch also changes
+# the rms that divides x, which the tangent only approximates: the estimate says +8.11 where the real patch gives
+# +8.62.
 
 # %% tags=["solution"]
 final_names = ["norm.hook_out", f"layers.{L - 1}.hook_resid_post"]
@@ -375,21 +429,3 @@ for name in final_names:
         real = ld(model(corrupt)) - ld_corrupt
     print(f"{name:<24} last position: estimate {final_estimates[name][0, -1].item():+.4f}, "
           f"real patch {real:+.4f} (change in LD)")
-
-# %% [markdown]
-# **4.** Clone, then write; the hook receives the activation and the probe:
-
-# %% tags=["solution"]
-def my_patch(activation: torch.Tensor, source: torch.Tensor, positions: list[int]) -> torch.Tensor:
-    out = activation.clone()
-    out[:, positions] = source[:, positions]
-    return out
-
-
-assert exercises.check_patch_hook(my_patch)
-print(exercises.check_patch_hook(my_patch))
-row, t = divmod(best, T)
-name = f"layers.{patched_layers[row]}.hook_resid_pre"
-with model.hooks(fwd_hooks=[(name, lambda act, hook: my_patch(act, clean_cache[name], [t]))]):
-    mine = (ld(model(corrupt)) - ld_corrupt) / (ld_clean - ld_corrupt)
-print(f"{name}, position {t}: restored {mine:.2f} (heatmap: {restored.max().item():.2f})")

@@ -3,7 +3,16 @@
 #
 # Everything in this notebook except the last section is computed from K2's configuration alone, with no weights:
 # `k2lab.accounting` lists every tensor of the released checkpoint (name, shape, storage format) and counts from
-# that one list. The numbers match the release's own figures exactly.
+# that one list.
+#
+# *Sources, and what they leave unsaid.* The counts below equal those derived from the released `config.json` and
+# `modeling_deepseek.py` and read from the checkpoint's safetensors headers (FP8 block scales left out):
+# 1,026,408,232,448 parameters in all, 497,500,160 in the dense block 0, 101,124,096 in one MLA (OpenModelAtlas's
+# K2 architecture pages, which cite the config and code line by line). The K2 report gives rounder and slightly different figures:
+# 1.04 T total and 32.6 B activated (its Table 2), "1 T and 32 B" in its abstract; it does not say what those figures
+# include. Counting the released tensors gives 1,026.4 B and 32.9 B activated per token, embedding and head
+# included (30.5 B without them). The bytes are the release's storage formats (`quantization_config` in the
+# config: FP8 e4m3 with 128 × 128 blocks), not a claim about how K2 was trained.
 
 # %%
 import torch
@@ -245,35 +254,71 @@ shutil.rmtree(folder)  # 1 GB of random weights: not worth keeping
 # %% [markdown]
 # ## Exercises
 #
-# **1. Predict, then run.** How many bytes does ONE routed expert of K2 take in the release (three e4m3 matrices of
-# 2,048 × 7,168, plus one float32 scale per 128 × 128 block)? And all 384 of one layer? Predict, then compute.
+# The KV cache's bytes, which this notebook prints for K2 above, are [03](03_mla.ipynb)'s exercise
+# (`check_kv_cache_bytes`); here the parameters and the placement.
 #
-# **2. Change a knob.** Plan K2 on four 141 GB GPUs instead of eight (`k2lab.plan(k2, devices=[141 * 10**9] * 4)`).
-# Predict first: does it fit, and if not, by how much does it miss?
+# ### Exercise 1 ★★ · Write it yourself: one MoE block's parameters
+#
+# From a config alone, count one MoE block's parameters: its two RMSNorms, the MLA (with its latent norms), the
+# router (W_gate and its correction bias), every routed expert and the shared expert(s). The check tries K2,
+# Moonlight (no query latent, two shared experts: the config keys `q_lora_rank` and `n_shared_experts`) and K2-nano,
+# against `block_parameters`, and names the slips it recognises.
+
+# %%
+from k2lab.lab.exercises.analysis import check_moe_block_parameters
+
+
+def my_moe_block_parameters(cfg: K2Config) -> int:
+    """parameters of one MoE block of ``cfg``"""
+    raise NotImplementedError
+
+
+print(check_moe_block_parameters(my_moe_block_parameters))
+
+# %% [markdown] tags=["hint"]
+# Name the widths first: D = `hidden_size`, H heads, N = `qk_nope_head_dim`, R = `qk_rope_head_dim`,
+# V = `v_head_dim`, C = `kv_lora_rank`, Q = `q_lora_rank`, E experts of I = `moe_intermediate_size`, S shared. MLA's
+# matrices: q_a_proj D × Q, q_b_proj Q × H(N + R) (or one q_proj D × H(N + R) when Q is None), kv_a_proj_with_mqa
+# D × (C + R), kv_b_proj C × H(N + V), o_proj H·V × D; plus the norms of its latents. Every expert is 3 × D × I.
+
+# %% [markdown] tags=["solution"]
+# The block's tensors, in the checkpoint's order; for K2 the routed experts are 99.1% of the 17.06 billion (one MLA is
+# 101,124,096 of them, as counted above):
+
+# %% tags=["solution"]
+def my_moe_block_parameters(cfg: K2Config) -> int:
+    D, H, N, R, V = (cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                     cfg.v_head_dim)
+    C, Q, E, I, S = (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size,
+                     cfg.n_shared_experts)
+    query = D * H * (N + R) if Q is None else D * Q + Q + Q * H * (N + R)  # q_a_proj, its norm, q_b_proj
+    attention = query + D * (C + R) + C + C * H * (N + V) + H * V * D  # kv_a, its norm, kv_b, o_proj
+    router = E * D + E  # W_gate and the correction bias
+    experts = (E + S) * 3 * D * I  # routed and shared SwiGLUs
+    return 2 * D + attention + router + experts
+
+
+print(check_moe_block_parameters(my_moe_block_parameters))
+print(f"K2: {my_moe_block_parameters(k2):,} parameters per MoE block, "
+      f"{k2.n_routed_experts * 3 * k2.hidden_size * k2.moe_intermediate_size / my_moe_block_parameters(k2):.1%} "
+      f"of them in the routed experts")
+
+# %% [markdown]
+# ### Exercise 2 ★ · Predict, then run: one expert's bytes
+#
+# How many bytes does ONE routed expert of K2 take in the release (three e4m3 matrices of 2,048 × 7,168, plus one
+# float32 scale per 128 × 128 block)? And all 384 of one layer? Predict, then compute.
 
 # %%
 # your code here
 
-# %% [markdown]
-# **3. Write it yourself: the KV cache's bytes.** For a configuration and a number of tokens, the bytes of MLA's
-# latent cache in bfloat16 over all layers. The check tries K2 and K2-nano.
+# %% [markdown] tags=["hint"]
+# One byte per e4m3 value. A 2,048 × 7,168 matrix has ceil(2,048 / 128) × ceil(7,168 / 128) = 16 × 56 blocks, each
+# with a 4-byte scale.
 
-# %%
-from k2lab.lab import exercises
-
-
-def my_kv_cache_bytes(cfg: K2Config, tokens: int) -> int:
-    """bytes of the latent KV cache (bfloat16) for ``tokens`` positions, all layers"""
-    raise NotImplementedError
-
-
-print(exercises.check_kv_cache_bytes(my_kv_cache_bytes))
-
-# %% [markdown]
-# ## Solutions
-#
-# **1.** 3 × 2,048 × 7,168 bytes = 44.0 MB of e4m3 values, plus 3 × 16 × 56 float32 scales (10.8 kB); a layer's
-# 384 experts are 16.9 GB, which is why 08's real-shape slice keeps only 16 of them.
+# %% [markdown] tags=["solution"]
+# 3 × 2,048 × 7,168 bytes = 44.0 MB of e4m3 values, plus 3 × 16 × 56 float32 scales (10.8 kB); a layer's 384 experts
+# are 16.9 GB, which is why the real-shape slice above keeps only 16 of them.
 
 # %% tags=["solution"]
 values = 3 * k2.moe_intermediate_size * k2.hidden_size
@@ -282,18 +327,22 @@ print(f"one expert: {values:,} + {scales:,} bytes; one layer's {k2.n_routed_expe
       f"{k2.n_routed_experts * (values + scales) / 1e9:.1f} GB")
 
 # %% [markdown]
-# **2.** About 1 TB of FP8 weights cannot fit in 4 × 141 GB = 564 GB; the plan says by how much:
+# ### Exercise 3 ★★ · Change a knob: half the node
+#
+# Plan K2 on four 141 GB GPUs instead of eight (`k2lab.plan(k2, devices=[141 * 10**9] * 4)`). Predict first: does
+# it fit, and if not, by how much does each device miss?
+
+# %%
+# your code here
+
+# %% [markdown] tags=["hint"]
+# Compare 1,029.2 GB of weights with 4 × (141 − 4.3) GB of room. With whole blocks, no device can take less than
+# 15 of the 60 MoE blocks.
+
+# %% [markdown] tags=["solution"]
+# It does not fit, by far: 1,029.2 GB of weights against 564 GB of memory. The plan puts about 257 GB on each device
+# (15 or 16 blocks), so every device misses by 115 to 118 GB: K2's FP8 weights need at least eight such GPUs, or
+# the streamed experts of the next-to-last section.
 
 # %% tags=["solution"]
 print(k2lab.plan(k2, devices=[141 * 10**9] * 4))
-
-# %% [markdown]
-# **3.** (kv_lora_rank + qk_rope_head_dim) values × 2 bytes × layers × tokens:
-
-# %% tags=["solution"]
-def my_kv_cache_bytes(cfg: K2Config, tokens: int) -> int:
-    return tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * cfg.num_hidden_layers
-
-
-assert exercises.check_kv_cache_bytes(my_kv_cache_bytes)
-print(exercises.check_kv_cache_bytes(my_kv_cache_bytes))

@@ -1,23 +1,36 @@
 # %% [markdown]
-# # 10 · How K2-nano was trained
+# # 10 · Training K2: Muon, QK-Clip and the bias rule
 #
 # K2-nano was trained with Kimi K2's recipe, scaled down (`python -m k2lab.training --preset nano`; the recipe's
-# pieces are small functions in `k2lab.optim`):
+# pieces are small functions in `k2lab.training.optim`):
 #
 # * **MuonClip**: the Muon optimizer for every hidden matrix (AdamW for the embedding, the head and the norms),
 #   plus **[QK-Clip](GLOSSARY.md#qk-clip)**, which rescales a head's query and key weights whenever its largest
-#   attention logit exceeds a threshold τ. The K2 report sets τ = 100; K2-nano uses τ = 30, so that a short run
-#   on a small model clips at all;
-# * **balancing by the correction bias**, with DeepSeek-V3's published rule: after every step each router's bias
-#   moves by ±u towards an even load, and K2-nano adds no auxiliary loss. The K2 report does not describe how
-#   K2's own bias was updated; K2's released config carries `aux_loss_alpha: 0.001` and `seq_aux: true`, the
-#   settings of the small sequence-wise balance loss that DeepSeek-V3 uses beside its bias rule. So this part is
-#   DeepSeek-V3's recipe, which K2 may or may not follow exactly;
-# * a **warmup-stable-decay** learning rate.
+#   attention logit exceeds a threshold τ;
+# * **balancing by the correction bias**, with DeepSeek-V3's published rule, and no auxiliary loss;
+# * a **warmup-stable-decay** (WSD) learning rate.
 #
-# Every step logged its loss, each head's largest attention logit and each MoE layer's expert counts
-# (`assets/nano/training_log.json`). This notebook reads that log, then shows two of the rules acting on the
-# model itself.
+# Each piece answers what the one before it could not do. **AdamW** normalises every coordinate of an update on
+# its own, blind to the fact that a weight is a matrix; a matrix's update is dominated by a few directions.
+# **Muon** orthogonalises the update, so every direction moves at the same rate, and computes that with a few
+# matrix products (Newton–Schulz). At K2's scale Muon let attention logits grow without bound, so **MuonClip** adds
+# QK-Clip after each step. You write the three pieces: Newton–Schulz, QK-Clip for one MLA head, the bias step; then
+# a tiny K2 trains live in this notebook with all of them.
+#
+# *Sources, and what they leave unsaid.* The K2 report (Kimi Team, 2025, arXiv 2507.20534): MuonClip with τ = 100
+# (its section 2.1 and Algorithm 1), the per-head clip for MLA (content query and key weights by √γ, rotary query
+# weights by γ, the shared rotary key left alone), 12.7% of heads clipped at least once in the first 70,000 steps
+# and none after (its appendix D), weight decay 0.1, a WSD schedule with a 500-step warm-up and a peak of 2e-4, 15.5 T
+# tokens. Muon is Keller Jordan's (2024, "Muon: An optimizer for hidden layers in neural networks"); its update-RMS
+# matching and weight decay are Moonlight's (Liu et al., 2025, "Muon is Scalable for LLM Training", arXiv
+# 2502.16982). The report **does not say how K2's router bias was updated**, nor whether any balance loss was used
+# (the released config carries `aux_loss_alpha: 0.001` and `seq_aux: true`, see [04a](04a_router.ipynb)): the rule
+# below is DeepSeek-V3's, which K2-nano follows and K2 may or may not. K2-nano's own settings differ from K2's where
+# a short run on a small model needs it: τ = 30 instead of 100, so that the clip fires at all; a peak learning rate
+# of 1e-2.
+#
+# Every step of K2-nano's run logged its loss, each head's largest attention logit and each MoE layer's expert
+# counts (`assets/nano/training_log.json`); this notebook reads that log, then shows each rule on the model itself.
 
 # %% tags=["parameters"]
 import json
@@ -60,8 +73,8 @@ viz.loss_figure(steps, [s["loss"] for s in log["steps"]], [e["step"] for e in lo
                 [e["heldout_code_bpb"] for e in log["evals"]], log["unigram_heldout_code_bpb"])
 
 # %% [markdown]
-# The learning rate warmed up, stayed flat, then decayed linearly to zero over the last part of the run (WSD).
-# The balancing step u (below) decays with it:
+# The learning rate warmed up, stayed flat, then decayed linearly to zero over the second half of the run (WSD).
+# The balancing step u (last section) decays with it:
 
 # %% tags=["nbval-ignore-output"]
 viz.lines_figure(steps, {"learning rate": {"lr": [s["lr"] for s in log["steps"]]},
@@ -69,32 +82,178 @@ viz.lines_figure(steps, {"learning rate": {"lr": [s["lr"] for s in log["steps"]]
                  title="Warmup-stable-decay schedule", height=320)
 
 # %% [markdown]
-# ## QK-Clip
+# ## From Adam to Muon
 #
-# Attention logits can grow without bound when a query and a key weight grow together; a few runaway heads can
-# destabilise training. After each step, QK-Clip looks at each head's largest pre-softmax logit S_max (read from
-# the `hook_max_logit` probe during the forward: the maximum of the masked `hook_attn_scores`, which the probe
-# computes beside the fused attention kernel, so training never materialises a softmax). If S_max > τ, with
-# γ = τ / S_max it scales that head's
-#
-# * content query and key weights (W_UQ^nope, W_UK rows) by √γ, so q_nope · k_nope shrinks by γ;
-# * rotary query weights by γ (the rotary key is shared by all heads, so it is left alone), so q_pe · k_pe
-#   shrinks by γ too.
-#
-# The figure shows every head's S_max over training against τ, and how many heads were clipped at each step.
+# AdamW divides each coordinate of the update by its own running rms: a per-number rule. For a weight matrix the
+# gradient (and its momentum) is far from a random matrix: a few directions carry most of it. Take its singular
+# value decomposition G = U Σ Vᵀ. Here is one real gradient, for the query up-projection of K2-nano's layer 1:
 
 # %%
 import torch
+import torch.nn.functional as F
 
+from k2lab.training import corpus
+from k2lab.training.optim import muon_update, newton_schulz
+
+text = tok.encode(corpus.corpus_text("heldout", "prose"), allow_special=False)[: 4 * 65]
+batch = torch.tensor(text, device=model.device).view(4, 65)  # [B, T+1]: inputs and shifted targets
+weight = model.layers[1].self_attn.q_b_proj.weight  # [H * (N + R), q_lora_rank]
+with torch.enable_grad():
+    loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+    grad = torch.autograd.grad(loss, weight)[0]  # [A, B]
+sv = lambda m: torch.linalg.svdvals(m.double())  # noqa: E731  descending
+s_grad = sv(grad)
+print(f"gradient {list(grad.shape)}: {len(s_grad)} singular values from {s_grad[0]:.2e} down to {s_grad[-1]:.2e}; "
+      f"the largest 5 hold {(s_grad[:5] ** 2).sum() / (s_grad ** 2).sum():.0%} of its squared norm")
+
+# %% [markdown]
+# A step along G moves the weight mostly in those few directions; the rare ones, which may matter as much, barely
+# move. **Muon** steps along **U Vᵀ** instead: the same directions, every singular value set to one. It is the
+# orthogonal matrix nearest to G, the steepest descent under the spectral norm rather than coordinate by
+# coordinate.
+#
+# ### Newton–Schulz: U Vᵀ with matrix products only
+#
+# An SVD per matrix per step is slow on a GPU (and unstable in bfloat16). An *odd polynomial* of X acts on its
+# singular values alone: with A = X Xᵀ,
+#
+# $$aX + (bA + cA^2)X = U\,(a\Sigma + b\Sigma^3 + c\Sigma^5)\,V^\top = U\,p(\Sigma)\,V^\top,$$
+#
+# so iterating X ← p(X) applies p again and again to every singular value, and leaves U and V alone. Divide G by
+# its Frobenius norm first, which is never smaller than the largest singular value, so every σ starts in (0, 1].
+# The classical cubic p(σ) = 1.5σ − 0.5σ³ converges to exactly 1, but slowly from small σ: its slope at 0 is 1.5,
+# so a σ of 0.001 needs about 17 steps. Keller Jordan chose Muon's quintic, (a, b, c) = (3.4445, −4.7750, 2.0315),
+# to make the slope at zero, a, as large as he could while the iterates stay in a band around 1. It gives up
+# convergence to 1 for speed: p(1) = 0.70, and σ ends up oscillating in a band. For an update direction, 0.7 or 1.2
+# does the job of 1. The two polynomials, five steps each, on singular values from 10⁻⁴ to 1:
+
+# %%
+quintic = lambda x: 3.4445 * x - 4.7750 * x**3 + 2.0315 * x**5  # noqa: E731
+cubic = lambda x: 1.5 * x - 0.5 * x**3  # noqa: E731
+sigma = torch.logspace(-4, 0, 401, dtype=torch.float64)  # singular values after dividing by the Frobenius norm
+for name, p in (("cubic  ", cubic), ("quintic", quintic)):
+    x = sigma.clone()
+    for _ in range(5):
+        x = p(x)
+    big = sigma >= 0.01
+    print(f"{name}: sigma >= 0.01 lands in [{x[big].min():.2f}, {x[big].max():.2f}]; "
+          f"sigma = 0.001 becomes {x[200].item():.3f}")
+print(f"quintic: p(1) = {quintic(torch.tensor(1.0)):.3f}, the largest value of p on [0, 1] = "
+      f"{quintic(torch.linspace(0, 1, 10001)).max():.3f}")
+
+# %% [markdown]
+# After five quintic steps, every singular value above 1% of the Frobenius norm lies between 0.68 and 1.13 (and no
+# value can ever exceed 1.20, the largest p reaches on [0, 1]): a band, not 1. Even 0.001 has grown to 0.70. The
+# cubic leaves 0.001 at 0.08 and needs 17 steps to bring it to 0.68.
+#
+# ### Exercise 1 ★★ · Write it yourself: Newton–Schulz
+#
+# `G` is [A, B], `steps` an int. Divide G by its Frobenius norm (plus 1e-7); if G is tall (A > B), work on its
+# transpose, so that the Gram matrix A = X Xᵀ is the small B × B one; iterate X ← aX + (bA + cA²)X `steps` times
+# with Muon's coefficients; transpose back. The check runs a tall and a wide matrix whose singular values spread
+# from 0.02 to 0.9, against k2lab's `newton_schulz` in float32, and watches the shapes your code makes.
+
+# %%
+from k2lab.lab import exercises
+
+
+def my_newton_schulz(G: torch.Tensor, steps: int) -> torch.Tensor:
+    """G [A, B] -> approximately U V^T of G's SVD, [A, B]"""
+    raise NotImplementedError
+
+
+print(exercises.check_newton_schulz(my_newton_schulz))
+
+# %% [markdown] tags=["hint"]
+# `X = G / (G.norm() + 1e-7)`; `tall = G.shape[0] > G.shape[1]`; if tall, `X = X.T`. In the loop:
+# `A = X @ X.T`, then `X = a * X + (b * A + c * A @ A) @ X`. Return `X.T` if tall, else `X`.
+
+# %% [markdown] tags=["solution"]
+# Normalise, transpose a tall matrix so that the Gram matrix is the small one, iterate, transpose back:
+
+# %% tags=["solution"]
+def my_newton_schulz(G: torch.Tensor, steps: int) -> torch.Tensor:
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G / (G.norm() + 1e-7)  # every singular value now at most 1
+    tall = G.shape[0] > G.shape[1]
+    if tall:
+        X = X.T  # the Gram matrix X X^T is then min(A, B) square
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if tall else X
+
+
+print(exercises.check_newton_schulz(my_newton_schulz))
+
+# %% [markdown]
+# Your iteration on the real gradient, against k2lab's (which Muon runs in bfloat16 on hardware with native
+# bfloat16 matmuls, float32 elsewhere):
+
+# %%
+mine = my_newton_schulz(grad.float(), 5)
+ns = sv(mine)
+print(f"max |yours - k2lab's newton_schulz| = {(mine - newton_schulz(grad, dtype=torch.float32)).abs().max():.1e}")
+print(f"singular values after five steps: from {ns[-1]:.2f} to {ns[0]:.2f}; "
+      f"{int((ns >= 0.68).sum())} of {len(ns)} in the band [0.68, 1.20]")
+
+# %% tags=["nbval-ignore-output"]
+U, S, Vh = torch.linalg.svd(grad.double(), full_matrices=False)
+viz.singular_values_figure({"gradient / its largest singular value": S / S[0],
+                            "Newton-Schulz, 5 steps": ns, "U Vᵀ (exact)": sv(U @ Vh)},
+                           title="Layer 1 q_b_proj: Muon keeps the directions and evens out their sizes")
+
+# %% [markdown]
+# The gradient's singular values span more than three decades; after Newton–Schulz most sit in the band. The
+# smallest ones (below 1% of the Frobenius norm) are still on their way up after five steps: what is left of them
+# is smaller than 0.68.
+#
+# Two more rules make Muon a drop-in for AdamW at scale (Moonlight): the orthogonalised update is multiplied by
+# 0.2·√max(A, B), so that its RMS matches a typical AdamW update and one learning rate serves both, and decoupled
+# weight decay W ← W(1 − ηλ) − η · update (K2: λ = 0.1). `muon_update` is that scaled step:
+
+# %%
+update = muon_update(grad)
+print(f"update RMS {update.pow(2).mean().sqrt().item():.3f} (0.2 when U V^T is exact)")
+
+# %% [markdown]
+# ## From Muon to MuonClip: QK-Clip
+#
+# Attention logits q · k can grow without bound when a head's query and key weights grow together. The K2 report
+# found that with Muon they did: in a mid-scale run the largest logits passed 1,000, a risk of loss spikes and
+# divergence. The usual fixes fit MLA badly. QK-norm normalises every key, but MLA's inference never materialises
+# per-head keys (it attends over the latent, [03](03_mla.ipynb)); capping the logits inside the softmax leaves the
+# dot products themselves free to grow. **QK-Clip** acts on the weights instead, after the optimizer's step: a head
+# whose largest pre-softmax logit S_max exceeded τ gets γ = τ / S_max, and its query and key weights are scaled so
+# that every one of its logits shrinks by γ. A logit of MLA has two parts, q_nope · k_nope + q_pe · k_pe, so:
+#
+# * the content query rows (W_UQ^nope in `q_b_proj`) and the content key rows (W_UK in `kv_b_proj`) by √γ each, so
+#   q_nope · k_nope shrinks by γ;
+# * the rotary query rows by γ; the rotary key k_pe is **one for all heads** (`kv_a_proj_with_mqa`), so scaling it
+#   would clip every head: it is left alone, and q_pe · k_pe shrinks by γ through the query alone;
+# * the value rows not at all: they are not in the logits.
+#
+# S_max comes from the `hook_max_logit` probe during the forward: the maximum of the masked `hook_attn_scores`,
+# computed beside the fused attention kernel, so training never materialises a softmax.
+#
+# In K2-nano's run, every head's S_max over training, against τ, and how many heads were clipped at each step:
+
+# %%
 max_logits = torch.tensor([s["max_logits"] for s in log["steps"]])  # [S, L, H]
 clipped = torch.tensor([s["clipped_heads"] for s in log["steps"]])  # [S]
 print(f"steps with at least one clipped head: {int((clipped > 0).sum())} of {len(steps)}; "
-      f"largest logit seen {max_logits.max().item():.1f} (tau {run['qk_clip_tau']})")
+      f"heads clipped at least once: {int((max_logits > run['qk_clip_tau']).any(0).sum())} of "
+      f"{max_logits[0].numel()}; largest logit seen {max_logits.max().item():.1f} (tau {run['qk_clip_tau']})")
 
 # %% tags=["nbval-ignore-output"]
 viz.qk_clip_figure(steps, max_logits, run["qk_clip_tau"])  # the heatmap thins itself; the count uses every step
 
 # %% [markdown]
+# The clip fired on 33 of 2,600 steps, all between steps 315 and 1,345 and all in one head (layer 1's head 1, the
+# bright row), and never in the decay. K2's report describes the same shape at its scale: clips in the early part
+# of training (12.7% of heads), none later. The colour scale runs up to the largest logit shown, τ marked on it,
+# so a head above τ is brighter than one at τ.
+#
 # The rule itself, on a copy of the trained model: clip the heads of the last layer to half their largest logit.
 # Both terms of every score in those heads shrink by the same γ, so their new largest logits are exactly τ. (Only
 # one layer, so that the layer's input stays the same: clipping earlier layers would change it.)
@@ -103,11 +262,7 @@ viz.qk_clip_figure(steps, max_logits, run["qk_clip_tau"])  # the heatmap thins i
 # NBVAL_CHECK_OUTPUT
 import copy
 
-from k2lab.training import corpus
 from k2lab.training.optim import qk_clip
-
-text = tok.encode(corpus.corpus_text("heldout", "prose"), allow_special=False)[: 4 * 65]
-batch = torch.tensor(text, device=model.device).view(4, 65)  # [B, T+1]: inputs and shifted targets
 
 
 def head_max(m) -> torch.Tensor:
@@ -128,102 +283,81 @@ print(f"gamma in layer {last}: {gamma[last].tolist()}; "
 print("its largest logits after the clip equal tau:", torch.allclose(after[last], tau[last], rtol=1e-4))
 
 # %% [markdown]
+# ### Exercise 2 ★★★ · Write it yourself: QK-Clip for one MLA head
+#
+# `head` holds one head's weight rows: `q_nope` [N, q_lora_rank] and `q_pe` [R, q_lora_rank] from `q_b_proj`,
+# `k_nope` [N, C] and `v` [V, C] from `kv_b_proj`, and `k_pe` [R, D], the rotary rows of `kv_a_proj_with_mqa` that
+# every head shares. Given the head's `max_logit` and `tau`, return the clipped rows under the same names. The check
+# runs four heads of a random MLA, far above τ, below it, a little above it and exactly at it, against k2lab's
+# `qk_clip`, and names the slips it knows (k_pe scaled, √γ on q_pe, γ on both content parts, a clip below τ, ...).
+
+# %%
+def my_qk_clip(head: dict[str, torch.Tensor], max_logit: float, tau: float) -> dict[str, torch.Tensor]:
+    """one head's rows {q_nope, q_pe, k_nope, v, k_pe} -> the same, clipped"""
+    raise NotImplementedError
+
+
+print(exercises.check_qk_clip(my_qk_clip))
+
+# %% [markdown] tags=["hint"]
+# `gamma = min(1.0, tau / max_logit)`. Build a new dict: `q_nope` and `k_nope` times `gamma ** 0.5`, `q_pe` times
+# `gamma`, and `v` and `k_pe` as they are. Ask, for each part, which factor its term of the logit gets, and why the
+# product q_pe · k_pe must get all of γ from one side.
+
+# %% [markdown] tags=["solution"]
+# γ is capped at 1, so a head at or below τ is untouched; the content parts share γ as √γ each, the rotary query
+# takes all of it:
+
+# %% tags=["solution"]
+def my_qk_clip(head: dict[str, torch.Tensor], max_logit: float, tau: float) -> dict[str, torch.Tensor]:
+    gamma = min(1.0, tau / max_logit)
+    factors = {"q_nope": gamma**0.5, "k_nope": gamma**0.5, "q_pe": gamma}  # v and the shared k_pe: 1
+    return {part: t * factors.get(part, 1.0) for part, t in head.items()}
+
+
+print(exercises.check_qk_clip(my_qk_clip))
+
+# %% [markdown]
+# Your clip on the last layer's heads of another copy, at the same τ as above, must give the weights that
+# k2lab's `qk_clip` gave `clipped_model`:
+
+# %%
+cfg = model.config
+H, N, R, V, C = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                 cfg.kv_lora_rank)
+yours = copy.deepcopy(model)
+attn = yours.layers[last].self_attn
+q_rows = attn.q_b_proj.weight.detach().view(H, N + R, -1)  # views: writing into them writes the weights
+kv_rows = attn.kv_b_proj.weight.detach().view(H, N + V, -1)
+k_pe_rows = attn.kv_a_proj_with_mqa.weight.detach()[C:]
+for h in range(H):
+    head = {"q_nope": q_rows[h, :N], "q_pe": q_rows[h, N:], "k_nope": kv_rows[h, :N], "v": kv_rows[h, N:],
+            "k_pe": k_pe_rows}
+    out = my_qk_clip({part: t.clone() for part, t in head.items()}, before[last, h].item(), tau[last, h].item())
+    for part in ("q_nope", "q_pe", "k_nope", "v"):
+        head[part].copy_(out[part])
+same = all(torch.allclose(a, b) for a, b in zip(yours.parameters(), clipped_model.parameters(), strict=True))
+print("your clip gives k2lab's weights:", same)
+
+# %% [markdown]
 # ## Balancing the experts: DeepSeek-V3's bias rule
 #
 # After every step, each MoE layer's bias moves by u towards balance (DeepSeek-V3's rule, which K2-nano follows):
 #
 # $$b_e \leftarrow b_e + u \cdot \operatorname{sign}(\bar c - c_e),$$
 #
-# up for experts that got fewer tokens than the mean, down for busier ones. u stays at `bias_step` and then
-# decays to zero with the learning rate, so routing settles while the weights anneal (DeepSeek-V3 also stops
-# its bias updates for the end of training). The log keeps every step's u and counts c_e, so the whole history
-# of the bias can be replayed from it, and it must end at the bias in the checkpoint:
+# up for experts that got fewer tokens than the mean, down for busier ones, with c_e the tokens that had expert e
+# among their k choices. The sign, not the size of the imbalance: every expert moves by the same u, so no single
+# step can overshoot by much, whatever the counts. u stays at `bias_step` and then decays to zero with the learning
+# rate, so routing settles while the weights anneal (DeepSeek-V3 also stops its bias updates for the end of
+# training: u = 0.001, then 0 for its last 500 B tokens).
+#
+# ### Exercise 3 ★ · Write it yourself: the bias step
+#
+# One balancing step for every MoE layer at once: given the bias [L, E], the step's expert counts [L, E] and u,
+# return the new bias. The check's counts hold experts exactly at the mean and rows whose mean and median differ.
 
 # %%
-# NBVAL_CHECK_OUTPUT
-from k2lab import routing
-
-counts = torch.tensor([s["expert_load"] for s in log["steps"]], dtype=torch.float32)  # [S, L_moe, E]
-u = torch.tensor([s["bias_step"] for s in log["steps"]])[:, None, None]  # [S, 1, 1]
-steps_taken = u * torch.sign(counts.mean(-1, keepdim=True) - counts)  # [S, L_moe, E]
-bias = steps_taken.cumsum(0)  # [S, L_moe, E]: the bias after each step
-layers = routing.moe_layers(model)  # indices of the MoE blocks
-final = torch.stack([model.layers[i].mlp.gate.e_score_correction_bias for i in layers]).cpu()  # [L_moe, E] as the log
-print("replayed bias equals the checkpoint's:", torch.allclose(bias[-1], final, atol=1e-4))
-
-# %% [markdown]
-# Load balance over training (MaxVio per layer, 0 = even), and one layer's bias and relative load per expert:
-
-# %% tags=["nbval-ignore-output"]
-max_vio = routing.max_violation(counts)  # [S, L_moe]
-per_layer = {f"layer {i}": max_vio[:, j] for j, i in enumerate(layers)}
-viz.lines_figure(steps, {"MaxVio per step": per_layer}, "step",
-                 title="Expert load balance during training (MaxVio, 0 = perfectly even)")
-
-# %% tags=["nbval-ignore-output"]
-every = max(1, len(steps) // 200)  # heatmaps of every n-th step keep the stored notebook small
-j = len(layers) - 1
-viz.expert_time_figure(steps[::every], bias[::every, j], "bias", zmid=0.0,
-                       title=f"Layer {layers[j]}: correction bias per expert")
-
-# %% tags=["nbval-ignore-output"]
-viz.expert_time_figure(steps[::every], routing.relative_load(counts[::every, j]), "load /<br>uniform",
-                       log2=True, title=f"Layer {layers[j]}: relative load per expert")
-
-# %% [markdown]
-# ## Muon's update on one matrix
-#
-# For a weight matrix with gradient (or momentum) G = U Σ Vᵀ, Muon steps along U Vᵀ: the same directions, with
-# every singular value set to one, so rare directions learn as fast as common ones. Five Newton–Schulz iterations
-# approximate U Vᵀ with matrix products only; the result is scaled by 0.2·√max(A, B) so its RMS matches a typical
-# AdamW update, and then W ← W (1 − η λ) − η · update.
-#
-# One real gradient, for the query up-projection of layer 1:
-
-# %%
-import torch.nn.functional as F
-
-from k2lab.training.optim import muon_update, newton_schulz
-
-weight = model.layers[1].self_attn.q_b_proj.weight  # [H * (N + R), q_lora_rank]
-with torch.enable_grad():
-    loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
-    grad = torch.autograd.grad(loss, weight)[0]  # [A, B]
-sv = lambda m: torch.linalg.svdvals(m.double())
-update = muon_update(grad)
-print(f"gradient {list(grad.shape)}: singular values from {sv(grad)[0]:.2e} to {sv(grad)[-1]:.2e}")
-ns = sv(newton_schulz(grad))  # descending
-print(f"Newton-Schulz: singular values from {ns[-1]:.2f} to {ns[0]:.2f}")
-print(f"update RMS {update.pow(2).mean().sqrt().item():.3f} (0.2 when U V^T is exact)")
-
-# %% tags=["nbval-ignore-output"]
-U, S, Vh = torch.linalg.svd(grad.double(), full_matrices=False)
-viz.singular_values_figure({"gradient / its largest singular value": S / S[0],
-                            "Newton-Schulz, 5 steps": ns, "U Vᵀ (exact)": sv(U @ Vh)},
-                           title="Layer 1 q_b_proj: Muon keeps directions, equalises sizes")
-
-# %% [markdown]
-# ## Exercises
-#
-# **1. Predict, then run.** In the clip demo above, the last layer's heads were clipped to half their largest
-# logit, so γ = 0.5. By what factor did the clip scale each head's content query rows (W_UQ^nope), its rotary query
-# rows, and its key rows (W_UK)? Predict, then divide `clipped_model`'s weights by `model`'s.
-#
-# **2. Change a knob.** Clip the last layer at 3/4 of each head's largest logit instead of 1/2. Predict γ and the
-# largest logits after the clip, then run `qk_clip` on a fresh copy.
-
-# %%
-# your code here
-
-# %% [markdown]
-# **3. Write it yourself: the bias update.** One balancing step for every MoE layer: given the bias [L, E], the
-# step's expert counts [L, E] and u, return the new bias. Then replay the whole log with your function and compare
-# the result with the checkpoint's bias.
-
-# %%
-from k2lab.lab import exercises
-
-
 def my_bias_update(bias: torch.Tensor, counts: torch.Tensor, u: float) -> torch.Tensor:
     """bias, counts [L, E]; u the step -> the new bias [L, E]"""
     raise NotImplementedError
@@ -231,17 +365,156 @@ def my_bias_update(bias: torch.Tensor, counts: torch.Tensor, u: float) -> torch.
 
 print(exercises.check_bias_update(my_bias_update))
 
-# %% [markdown]
-# ## Solutions
-#
-# **1.** √γ ≈ 0.707 on the content query and key rows (their product shrinks by γ), γ = 0.5 on the rotary query
-# rows (the shared rotary key is left alone), so both terms of the score shrink by γ:
+# %% [markdown] tags=["hint"]
+# The mean is over each layer's experts: `counts.mean(-1, keepdim=True)`. `torch.sign` is 0 for an expert exactly
+# at the mean, which is what the rule wants. Return the new bias, not the step.
+
+# %% [markdown] tags=["solution"]
+# One line; an expert exactly at the mean keeps its bias (sign 0):
 
 # %% tags=["solution"]
-cfg = model.config
-H, N, R, V = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+def my_bias_update(bias: torch.Tensor, counts: torch.Tensor, u: float) -> torch.Tensor:
+    return bias + u * torch.sign(counts.mean(-1, keepdim=True) - counts)
 
 
+print(exercises.check_bias_update(my_bias_update))
+
+# %% [markdown]
+# The log keeps every step's u and counts, so the whole history of the bias can be replayed with your function
+# from zero, and it must end at the bias in the checkpoint:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from k2lab import routing
+
+counts = torch.tensor([s["expert_load"] for s in log["steps"]], dtype=torch.float32)  # [S, L_moe, E]
+u = [s["bias_step"] for s in log["steps"]]  # [S]
+layers = routing.moe_layers(model)  # indices of the MoE blocks
+final = torch.stack([model.layers[i].mlp.gate.e_score_correction_bias for i in layers]).cpu()  # [L_moe, E] as the log
+history, b = [], torch.zeros_like(final)
+for step_counts, step_u in zip(counts, u, strict=True):
+    b = my_bias_update(b, step_counts, step_u)
+    history.append(b)
+bias = torch.stack(history)  # [S, L_moe, E]: the bias after each step
+print("replayed bias equals the checkpoint's:", torch.allclose(bias[-1], final, atol=1e-4))
+
+# %% [markdown]
+# Load balance over training (MaxVio per layer, 0 = even):
+
+# %% tags=["nbval-ignore-output"]
+max_vio = routing.max_violation(counts)  # [S, L_moe]
+per_layer = {f"layer {i}": max_vio[:, j] for j, i in enumerate(layers)}
+viz.lines_figure(steps, {"MaxVio per step": per_layer}, "step",
+                 title="Expert load balance during training (MaxVio, 0 = perfectly even)")
+
+# %% [markdown]
+# Then one layer, expert by expert. Every layer's biases drifted upwards during the run (each step moves every
+# expert by ±u, and at most steps more experts sat below the mean load than above it: a few busy experts pull the
+# mean above the typical one), but a shift shared by all experts changes no choice
+# ([04a](04a_router.ipynb)): what routes is each bias *against the others*. So the first heatmap shows each bias
+# minus that step's mean over the layer's experts, on a scale centred on 0 and fitted to the data; the raw bias's
+# mean is printed beside it. The second shows each expert's load against the uniform share, on a log scale fitted
+# to the data (grey: an expert that got no token at that step).
+
+# %%
+j = len(layers) - 1
+spread = bias[:, j] - bias[:, j].mean(-1, keepdim=True)  # [S, E] what the router sees
+print(f"layer {layers[j]}: the bias's mean over the experts went from 0 to {bias[-1, j].mean():+.3f}; "
+      f"the spread (max - min) ended at {(bias[-1, j].max() - bias[-1, j].min()):.3f}")
+
+# %% tags=["nbval-ignore-output"]
+every = max(1, len(steps) // 200)  # heatmaps of every n-th step keep the stored notebook small
+viz.expert_time_figure(steps[::every], spread[::every], "bias −<br>its mean", zmid=0.0,
+                       title=f"Layer {layers[j]}: correction bias per expert, relative to the layer's mean")
+
+# %% tags=["nbval-ignore-output"]
+viz.expert_time_figure(steps[::every], routing.relative_load(counts[::every, j]), "load /<br>uniform",
+                       log2=True, title=f"Layer {layers[j]}: relative load per expert")
+
+# %% [markdown]
+# Read the two together: early on, a few experts take several times their share (red) while others idle (blue,
+# grey); their biases fall and rise in answer, and within a few hundred steps the load is close to uniform while
+# the biases settle into a fixed spread, each expert's lasting handicap or head start. In the decay, u goes to
+# zero and the bias freezes.
+#
+# ## A live run: MuonClip on a tiny K2
+#
+# Now all of it at once, in this notebook: a tiny K2 (K2-nano's widths, one dense block and one MoE block), trained
+# from random weights on the standard library's code with `k2lab.training.recipe_step`, whose pieces are the ones
+# you wrote: Muon's step through `newton_schulz`, then `qk_clip` from the probes' max logits, then the bias step.
+# Two runs from the same initial weights and the same batches: one with QK-Clip at τ = 4, one without (τ = ∞).
+# τ = 4 is tiny, so that a run of 80 steps meets it (K2's τ is 100 over millions of steps); about 25 seconds on one
+# CPU thread.
+
+# %%
+from k2lab import K2Config
+from k2lab.training.optim import MuonClip, wsd_lr
+from k2lab.training.train import recipe_step, sample_batch, training_model
+
+code_ids = torch.tensor(tok.encode(corpus.corpus_text("train", "code")[:1_000_000], allow_special=False))
+tiny = K2Config.nano().replace(num_hidden_layers=2)  # one dense block, one MoE block, K2-nano's widths
+STEPS, TAU, LR = 80, 4.0, 1e-2
+live = {}
+for name, clip_at in (("QK-Clip, τ = 4", TAU), ("no clip", float("inf"))):
+    net = training_model(tiny, seed=0)  # random weights, training mode
+    opt = MuonClip.for_model(net, lr=LR, embed_lr_scale=10.0)  # Muon for matrices, AdamW for the rest
+    gen = torch.Generator().manual_seed(0)  # the same batches for both runs
+    record = {"loss": [], "max logit": [], "clipped heads": []}
+    for step in range(STEPS):
+        for group in opt.param_groups:
+            group["lr"] = wsd_lr(step, STEPS, LR, warmup=8, decay_fraction=0.3)
+        with torch.enable_grad():  # the lab's notebooks run without gradients unless asked
+            loss, step_max, gamma, _ = recipe_step(net, opt, sample_batch(code_ids, 8, 64, gen), clip_at,
+                                                   bias_step=5e-3)
+        record["loss"].append(loss.item())
+        record["max logit"].append(step_max.max().item())  # [L, H] -> the largest of any head
+        record["clipped heads"].append(int((gamma < 1).sum()))
+    live[name] = record
+for name, record in live.items():
+    loss = torch.tensor(record["loss"])
+    print(f"{name:<15} loss {loss[:5].mean():.2f} -> {loss[-10:].mean():.2f} nats/token (first 5, last 10 steps); "
+          f"largest logit {max(record['max logit']):.1f}; clipped head-steps {sum(record['clipped heads'])}")
+
+# %% tags=["nbval-ignore-output"]
+fig = viz.lines_figure(list(range(STEPS)), {
+    "loss (nats/token)": {name: record["loss"] for name, record in live.items()},
+    "largest attention logit": {name: record["max logit"] for name, record in live.items()}}, "step",
+    title="MuonClip on a tiny K2: the same run with and without QK-Clip", height=400)
+fig.add_hline(y=TAU, line=dict(color="grey", dash="dash"), row=1, col=2, annotation_text="τ = 4",
+              annotation_position="top left")
+fig
+
+# %% [markdown]
+# The loss falls from 8.7 nats per token over the first five steps (a uniform guess over the vocabulary pays
+# ln 8,192 = 9.01) to 5.1 over the last ten, the same with and without the clip to two decimals (the two loss
+# curves lie on top of each other: the clipped run's is hidden under the other). The largest logit
+# grows in both runs from near 0. Without the clip it keeps growing, to 9.0; with it, QK-Clip fired on 58 head-steps
+# and held the largest logit at most 5.5: each step can push a head past τ before the clip brings it back to τ,
+# and the probes read the logits in the forward, after the update and before the clip. On this tiny, short run
+# the clip costs nothing visible in the loss; the K2 report says the same of K2, where it held the logits at 100
+# without loss spikes. At this scale nothing would have diverged without it: a logit of 9 is harmless. What the
+# run shows is the mechanism, not a rescue.
+#
+# ## More exercises
+#
+# ### Exercise 4 ★ · Predict, then run: the factors of a clip
+#
+# In the clip demo above, the last layer's heads were clipped to half their largest logit, so γ = 0.5. By what
+# factor did the clip scale each head's content query rows (W_UQ^nope), its rotary query rows, its key rows (W_UK)
+# and its value rows? Predict, then divide `clipped_model`'s weights by `model`'s.
+
+# %%
+# your code here
+
+# %% [markdown] tags=["hint"]
+# View `q_b_proj.weight` as [H, N + R, q_lora_rank] and `kv_b_proj.weight` as [H, N + V, C] in both models, divide,
+# and take the median over the inputs (exact zeros give 0 / 0).
+
+# %% [markdown] tags=["solution"]
+# √γ ≈ 0.707 on the content query and key rows (their product shrinks by γ), γ = 0.5 on the rotary query rows (the
+# shared rotary key is left alone), 1 on the value rows, so both terms of the score shrink by γ:
+
+# %% tags=["solution"]
 def scaled_by(name: str, rows: int) -> torch.Tensor:
     """[H, rows] the factor each row of the last layer's ``name`` weight was multiplied by (median over its inputs;
     FP8-stored weights hold exact zeros, which say nothing)."""
@@ -250,13 +523,27 @@ def scaled_by(name: str, rows: int) -> torch.Tensor:
     return (after_w / before_w).nanmedian(-1).values  # 0 / 0 = nan is skipped
 
 
-q_rows, kv_rows = scaled_by("q_b_proj", N + R), scaled_by("kv_b_proj", N + V)
-print(f"head 0: content query rows x {q_rows[0, :N].median().item():.3f}, rotary query rows x "
-      f"{q_rows[0, N:].median().item():.3f}, key rows x {kv_rows[0, :N].median().item():.3f}, value rows x "
-      f"{kv_rows[0, N:].median().item():.3f}")
+q_factor, kv_factor = scaled_by("q_b_proj", N + R), scaled_by("kv_b_proj", N + V)
+print(f"head 0: content query rows x {q_factor[0, :N].median().item():.3f}, rotary query rows x "
+      f"{q_factor[0, N:].median().item():.3f}, key rows x {kv_factor[0, :N].median().item():.3f}, value rows x "
+      f"{kv_factor[0, N:].median().item():.3f}")
 
 # %% [markdown]
-# **2.** γ = 0.75 in every head of the layer, and the largest logits become exactly τ:
+# ### Exercise 5 ★★ · Change a knob: clip at three quarters
+#
+# Clip the last layer at 3/4 of each head's largest logit instead of 1/2. Predict γ and the largest logits after the
+# clip, then run `qk_clip` on a fresh copy.
+
+# %%
+# your code here
+
+# %% [markdown] tags=["hint"]
+# As in the demo: `tau_34 = torch.full_like(before, float("inf"))`, `tau_34[last] = before[last] * 0.75`, then
+# `qk_clip(copy.deepcopy(model), before, tau_34)` and `head_max` of that copy.
+
+# %% [markdown] tags=["solution"]
+# γ = 0.75 in every head of the layer, and each head's largest logit becomes exactly its τ (the printed values are
+# K2-nano's, the same in both lists):
 
 # %% tags=["solution"]
 three_quarters = copy.deepcopy(model)
@@ -265,18 +552,3 @@ tau_34[last] = before[last] * 0.75
 gamma_34 = qk_clip(three_quarters, before, tau_34)
 print(f"gamma {[round(g, 3) for g in gamma_34[last].tolist()]}; largest logits after "
       f"{[round(x, 2) for x in head_max(three_quarters)[last].tolist()]} = tau {[round(x, 2) for x in tau_34[last].tolist()]}")
-
-# %% [markdown]
-# **3.** One line; the replay then reproduces the checkpoint's bias:
-
-# %% tags=["solution"]
-def my_bias_update(bias: torch.Tensor, counts: torch.Tensor, u: float) -> torch.Tensor:
-    return bias + u * torch.sign(counts.mean(-1, keepdim=True) - counts)
-
-
-assert exercises.check_bias_update(my_bias_update)
-print(exercises.check_bias_update(my_bias_update))
-replayed = torch.zeros_like(final)
-for step_counts, step_u in zip(counts, u.flatten().tolist(), strict=True):
-    replayed = my_bias_update(replayed, step_counts, step_u)
-print("replayed with my_bias_update equals the checkpoint's bias:", torch.allclose(replayed, final, atol=1e-4))

@@ -39,7 +39,7 @@ CASES = [
     pytest.param("01_tokens.ipynb", Expect(plots=0, widgets=1), id="01_tokens"),
     # The router: one token's stages, the bias flips, and the router explorer (a layer dropdown, a token slider and
     # its own figure inside an Output widget): plotly in and out of widgets, and a widget round trip.
-    pytest.param("04_router.ipynb", Expect(plots=3, widgets=1), id="04_router"),
+    pytest.param("04a_router.ipynb", Expect(plots=3, widgets=1), id="04a_router"),
     # The block by hand: two Mermaid diagrams; an exercise as a learner first sees it (the stub's verdict) and the
     # collapsed solution cell's check passing.
     pytest.param("04b_block.ipynb", Expect(plots=0, widgets=0, diagrams=2,

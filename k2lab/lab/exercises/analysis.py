@@ -1,6 +1,6 @@
 """05 to 09: reading the model. MaxVio (``check_max_violation``), direct logit attribution
-(``check_logit_attribution``), a patching hook (``check_patch_hook``), KV-cache bytes (``check_kv_cache_bytes``) and
-the logit lens (``check_logit_lens``)."""
+(``check_logit_attribution``), a patching hook (``check_patch_hook``), KV-cache bytes (``check_kv_cache_bytes``, 03),
+one MoE block's parameters (``check_moe_block_parameters``, 08) and the logit lens (``check_logit_lens``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...analysis.accounting import kv_cache_bytes
+from ...analysis.accounting import block_parameters, kv_cache_bytes
 from ...analysis.routing import max_violation
 from ...config import K2Config
 from ...model.layers import RMSNorm
@@ -140,6 +140,69 @@ def check_kv_cache_bytes(fn: Callable) -> Verdict:
             message = mistakes.get(out, f"expected {expected:,}, got {out!r}")
             return Verdict(False, f"{name}, {tokens} tokens: {message}")
     return Verdict(True, f"KV-cache bytes: right for K2 ({kv_cache_bytes(K2Config.kimi_k2(), 1):,} per token) and nano")
+
+
+# --- 08: one MoE block's parameters --------------------------------------------------------------------------------
+
+
+def _moe_block_variants(cfg: K2Config) -> list[tuple[str, int]]:
+    """The usual slips in counting one MoE block from its config, each with the count it gives."""
+    D, H, N, R = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    C, Q, E, I, S, k = (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size,
+                        cfg.n_shared_experts, cfg.num_experts_per_tok)
+    right = block_parameters(cfg, cfg.first_k_dense_replace)
+    query = D * H * (N + R) if Q is None else D * Q + Q + Q * H * (N + R)
+    latent_norms = C + (Q or 0)
+    expert = 3 * D * I
+    slips = [
+        ("you forgot the correction bias: the router stores one float32 number per expert beside W_gate "
+         "(e_score_correction_bias)", right - E),
+        ("you forgot the block's two RMSNorms (input_layernorm and post_attention_layernorm, D each)", right - 2 * D),
+        ("you forgot MLA's latent norms (kv_a_layernorm, and q_a_layernorm where there is a query latent)",
+         right - latent_norms),
+        ("you forgot the shared rotary key: kv_a_proj_with_mqa makes c_KV AND k_pe, D x (C + R)", right - D * R),
+        ("you counted only the k experts a token uses; the block stores all E", right - (E - k) * expert),
+        ("an expert is a SwiGLU: three matrices (gate, up, down), not two", right - E * D * I - S * D * I),
+        ("you forgot the shared expert(s)", right - S * expert),
+    ]
+    if S > 1:
+        slips.append(("this config has n_shared_experts > 1: count every shared expert", right - (S - 1) * expert))
+    if Q is not None:
+        slips.append(("K2 has a query latent: q_a_proj (D x q_lora_rank), its norm, then q_b_proj, not one "
+                      "D x H(N + R) matrix", right - query + D * H * (N + R)))
+    return [(message, count) for message, count in slips if count != right]
+
+
+@checker
+def check_moe_block_parameters(fn: Callable) -> Verdict:
+    """``fn(cfg: K2Config) -> int``: the parameters of one MoE block (its two norms, MLA with its latent norms, the
+    router with its correction bias, every routed expert and the shared experts), against
+    ``k2lab.analysis.accounting.block_parameters``, for K2, Moonlight (no query latent, two shared experts) and
+    K2-nano."""
+    configs = [("Kimi K2", K2Config.kimi_k2()), ("Moonlight", K2Config.moonlight()), ("K2-nano", K2Config.nano())]
+    for name, cfg in configs:
+        expected = block_parameters(cfg, cfg.first_k_dense_replace)
+        out, error = call(fn, cfg)
+        if error is not None and cfg.q_lora_rank is None and "NoneType" in error.message:
+            message = ("this config has no query latent (q_lora_rank is None): its query is one q_proj, "
+                       "D x H(N + R), with no q_a_layernorm")
+            return Verdict(False, f"{name}: {message}", mistake=message)
+        if error is not None:
+            return Verdict(False, f"{name}: {error.message}")
+        if isinstance(out, torch.Tensor) and out.numel() == 1:
+            out = out.item()
+        if isinstance(out, float) and out.is_integer():
+            out = int(out)
+        if out == expected:
+            continue
+        if not isinstance(out, int) or isinstance(out, bool):
+            return Verdict(False, f"{name}: return the count as an int, got {type(out).__name__} {out!r}")
+        for message, count in _moe_block_variants(cfg):
+            if out == count:
+                return Verdict(False, f"{name}: {message}", mistake=message)
+        return Verdict(False, f"{name}: expected {expected:,}, got {out:,} (off by {out - expected:+,})")
+    return Verdict(True, f"one MoE block: right for K2 ({block_parameters(K2Config.kimi_k2(), 1):,}), Moonlight and "
+                         f"K2-nano")
 
 
 # --- 09: the logit lens -------------------------------------------------------------------------------------------

@@ -201,5 +201,10 @@ def check_block(fn: Callable) -> Verdict:
             ("you wrote the normalised stream back into the residual: the residual itself is never normalised",
              n1(x) + attn(n1(x)) + ffn(n2(n1(x) + attn(n1(x))))),
             ("you used input_norm twice; the FFN has its own post_attention_layernorm", mid + ffn(n1(mid))),
+            ("you forgot the norms: each sublayer reads a normalised copy, attn(input_norm(x)) and "
+             "ffn(post_norm(.)), while the residual stream itself stays unnormalised",
+             x + attn(x) + ffn(x + attn(x))),
+            ("attention reads x itself: it must read input_norm(x)", (x + attn(x)) + ffn(n2(x + attn(x)))),
+            ("the FFN reads the stream itself: it must read post_norm(.) of it", mid + ffn(mid)),
         ]
         return compare("pre-norm block", out, expected, mistakes)

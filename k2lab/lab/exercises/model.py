@@ -87,11 +87,24 @@ def _with_router_edit(model: K2Model, ids: torch.Tensor, edit: str) -> torch.Ten
         return model(ids)
 
 
+def _with_plain_rope(model: K2Model, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits with RoPE's plain frequencies, theta^(-2i/R), instead of YaRN's."""
+    cfg = model.config
+    saved = model.inv_freq, model._inv_freq_on, model.rope_scale
+    R = cfg.qk_rope_head_dim
+    plain = 1.0 / cfg.rope_theta ** (torch.arange(0, R, 2, dtype=torch.float32) / R)
+    model.inv_freq, model._inv_freq_on, model.rope_scale = plain, {plain.device: plain}, 1.0
+    try:
+        return model(ids)
+    finally:
+        model.inv_freq, model._inv_freq_on, model.rope_scale = saved
+
+
 def _model_mistakes(model: K2Model, ids: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The logits of the usual assembly mistakes, each with what went wrong."""
     x = model.run_blocks(model.embed(ids))  # [B, T, D] the last residual
     final = model.norm(x)
-    return [
+    mistakes = [
         ("you tied the head to the embedding; K2's lm_head is a matrix of its own (lm_head.weight)",
          F.linear(final, model.embed_tokens.weight).float()),
         ("you forgot the final norm: the head reads norm(x) after the last block", model.lm_head(x).float()),
@@ -106,6 +119,10 @@ def _model_mistakes(model: K2Model, ids: torch.Tensor) -> list[tuple[str, torch.
         ("you forgot the shared expert: every MoE block adds it for every token",
          _with_router_edit(model, ids, "no shared expert")),
     ]
+    if model.config.rope_type == "yarn":
+        mistakes.append(("your rotations use plain RoPE frequencies: K2's are YaRN's (02), the slow pairs divided "
+                         "by the factor", _with_plain_rope(model, ids)))
+    return mistakes
 
 
 @checker

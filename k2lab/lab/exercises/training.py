@@ -81,12 +81,12 @@ def check_newton_schulz(fn: Callable) -> Verdict:
     is at most 1), transpose a tall G (A > B) so that the Gram matrix X X^T is the small B x B one, then ``steps``
     times X <- a X + (b A + c A^2) X with A = X X^T and (a, b, c) = (3.4445, -4.7750, 2.0315), and transpose back.
 
-    A tall and a wide matrix are checked, whose singular values spread from 0.02 to 0.9, and the check watches the
-    shapes your code makes: a Gram matrix of the large side means the tall matrix was not transposed."""
-    cases = [_with_singular_values(24, 6, torch.linspace(0.02, 0.9, 6), seed=21),
-             _with_singular_values(5, 20, torch.linspace(0.05, 0.8, 5), seed=22)]
-    steps = 5
-    for g in cases:
+    A tall matrix (5 steps) and a wide one (3 steps) are checked, whose singular values spread from 0.02 to 0.9, and
+    the check watches the shapes your code makes: a Gram matrix of the large side means the tall matrix was not
+    transposed."""
+    cases = [(_with_singular_values(24, 6, torch.linspace(0.02, 0.9, 6), seed=21), 5),
+             (_with_singular_values(5, 20, torch.linspace(0.05, 0.8, 5), seed=22), 3)]  # another count of steps
+    for g, steps in cases:
         shape = "tall" if g.shape[0] > g.shape[1] else "wide"
         what = f"Newton-Schulz ({shape} {g.shape[0]}x{g.shape[1]})"
         watch = Watch()
@@ -113,6 +113,8 @@ def check_newton_schulz(fn: Callable) -> Verdict:
             ("that is the exact U V^T of an SVD; Newton-Schulz only lands the singular values in a band around 1",
              (lambda u, _, vh: u @ vh)(*torch.linalg.svd(g.double(), full_matrices=False))),
             ("you transposed the tall matrix but not the result back", expected.mT),
+            ("you ignored `steps`: run the iteration as many times as it says (5 is only Muon's default)",
+             _newton_schulz_variant(g, 5 if steps != 5 else 3)),
         ]
         if isinstance(out, torch.Tensor) and not torch.isfinite(out.detach()).all():
             return Verdict(False, f"{what}: your iteration blew up (NaN or infinity): normalise G first, so that "
@@ -120,7 +122,7 @@ def check_newton_schulz(fn: Callable) -> Verdict:
         verdict = compare(what, out, expected, mistakes, atol=1e-4)
         if not verdict.ok:
             return verdict
-    sv = torch.linalg.svdvals(newton_schulz(cases[0], steps, dtype=torch.float32))
+    sv = torch.linalg.svdvals(newton_schulz(cases[0][0], cases[0][1], dtype=torch.float32))
     return Verdict(True, f"Newton-Schulz: matches k2lab on a tall and a wide matrix; the singular values land in "
                          f"[{sv.min():.2f}, {sv.max():.2f}], a band around 1, not at 1")
 
@@ -192,6 +194,8 @@ def check_qk_clip(fn: Callable) -> Verdict:
             (k_pe_message, _scaled(head, q_nope=g**0.5, k_nope=g**0.5, q_pe=g, k_pe=g)),
             ("q_pe takes the whole gamma, not sqrt(gamma): k_pe is never scaled, so q_pe · k_pe shrinks only by "
              "q_pe's own factor", _scaled(head, q_nope=g**0.5, k_nope=g**0.5, q_pe=g**0.5)),
+            (f"you scaled the shared k_pe instead of q_pe: {k_pe_message.split(': ', 1)[1]}",
+             _scaled(head, q_nope=g**0.5, k_nope=g**0.5, k_pe=g)),
             ("you put gamma on both q_nope and k_nope, so their product shrinks by gamma^2: each takes sqrt(gamma)",
              _scaled(head, q_nope=g, k_nope=g, q_pe=g)),
             ("you put the whole gamma on q_nope; K2 splits it evenly, sqrt(gamma) on q_nope and on k_nope",

@@ -1,8 +1,10 @@
 # %% [markdown]
-# # 04 · The router
+# # 04a · The router
 #
-# In every MoE block (all of K2's blocks but the first) a router decides which experts process each token. K2's
-# router is not the softmax router of Mixtral or OLMoE. For a token with residual x, over E experts:
+# From its second block on, K2's feed-forward layer is a mixture of experts: 384 small SwiGLU networks, of which
+# each token uses 8, plus one shared expert that every token uses. Something must decide which 8. That is the
+# **router**, and this notebook takes it apart; [04b](04b_block.ipynb) then puts the router, the experts and the
+# norms back together into a block. For a token with residual x (after the block's second norm), over E experts:
 #
 # 1. **logits** = W_gate x, one per expert, computed in float32;
 # 2. **affinities** s = sigmoid(logits): each expert is judged on its own, they need not sum to one;
@@ -11,15 +13,43 @@
 # 5. **weights** w = s[idx] / Σ s[idx] × 2.827: the chosen experts' *affinities*, renormalised and scaled by the
 #    `routed_scaling_factor`. The bias is not in the weights.
 #
-# The bias balances the experts' load. **What the sources say:** DeepSeek-V3's report, which introduced it, trains
-# the bias outside the gradient: after each step an overloaded expert's bias is lowered by a small step u and an
-# underloaded one's raised, so the choice shifts while the weights (and the gradient) stay those of the
-# affinities; DeepSeek-V3 adds a sequence-wise balance loss with a very small weight. **Kimi K2's report does not
-# describe how its bias was updated**; its released `config.json` carries `aux_loss_alpha: 0.001` and
-# `seq_aux: true`, the names DeepSeek-V3's code gives that sequence-wise loss. K2-nano was trained with
-# DeepSeek-V3's bias rule and no auxiliary loss ([10](10_training.ipynb)). A consequence for analysis, whatever
-# the training: **sorting the logits does not tell you which experts a token used**; only the choice scores do.
-# Terms: [affinity](GLOSSARY.md#affinity), [correction bias](GLOSSARY.md#correction-bias).
+# A consequence for analysis, whatever the training: **sorting the logits does not tell you which experts a token
+# used**; only the choice scores do. Terms: [affinity](GLOSSARY.md#affinity),
+# [correction bias](GLOSSARY.md#correction-bias).
+#
+# *Sources.* Every number above is in the released `config.json` of Kimi-K2-Instruct: `scoring_func: "sigmoid"`,
+# `topk_method: "noaux_tc"`, `n_routed_experts: 384`, `num_experts_per_tok: 8`, `n_shared_experts: 1`,
+# `norm_topk_prob: true`, `routed_scaling_factor: 2.827`, `n_group: 1`; the five stages are the release's
+# `MoEGate.forward` in `modeling_deepseek.py`, and each MoE block's `e_score_correction_bias` is a float32 tensor
+# of the checkpoint. The K2 report (its Table 2) says the same: 384 experts, 8 active, 1 shared, no expert grouping.
+#
+# ## Why a sigmoid and a bias: what each router before it could not do
+#
+# **A softmax router** (the sparsely-gated MoE of Shazeer et al., 2017; GShard; Switch Transformer; DeepSeek-V2)
+# turns the logits into a softmax over the experts and keeps the top k. Trained on the language-model loss alone,
+# it tends to collapse: the experts that win early get more tokens, learn faster, and win more, until a few do
+# most of the work and the rest idle (and, on a cluster, the GPUs that hold the busy experts make the others wait).
+#
+# **An auxiliary balance loss** fixes the collapse by adding a term that is smallest when the load is even
+# (Switch Transformer's α · E · Σ_e f_e P_e, with f_e the share of tokens sent to expert e and P_e its mean router
+# probability; DeepSeek-V2 uses three such losses, at the expert, device and communication level). What it cannot
+# do is stay out of the way: its gradient flows into the same router weights as the language-model loss. Make α
+# large and the load is even but the model is worse; make it small and the load drifts (Wang et al., below, measure
+# this trade-off across values of α).
+#
+# **A correction bias outside the gradient** is the way out proposed by Wang et al. (2024), "Auxiliary-Loss-Free
+# Load Balancing Strategy for Mixture-of-Experts" (arXiv 2408.15664): add one bias per expert to the scores *only to
+# choose* the top k, and after each step move an overloaded expert's bias down and an underloaded one's up by a
+# fixed amount u. No loss term, so no gradient interferes; the weights, and so the gradient, are those of the
+# scores. DeepSeek-V3 (arXiv 2412.19437, section 2.1.2) adopted it with u = 0.001, switched the affinities from
+# softmax to sigmoid (its report states the change without an ablation), and kept a sequence-wise balance loss
+# with a very small weight (α = 0.0001) against extreme imbalance inside one sequence.
+#
+# **Kimi K2** runs DeepSeek-V3's router, as the config above shows. What the sources leave unsaid: **the K2 report
+# does not describe how K2's bias was updated, nor whether any balance loss was used**; the released config carries
+# `aux_loss_alpha: 0.001` and `seq_aux: true`, the names DeepSeek-V3's code gives its sequence-wise loss, which
+# says it was configured, not that it was used. K2-nano was trained with DeepSeek-V3's bias rule and no auxiliary
+# loss ([10](10_training.ipynb)); this notebook measures what that bias does in K2-nano.
 
 # %% tags=["parameters"]
 from k2lab import lab
@@ -71,10 +101,79 @@ print("top-k of the logits:       ", sorted(by_logits.tolist()))
 print("the router's own choice:   ", sorted(cache[g + "hook_topk_idx"][0, -1].tolist()))
 
 # %% [markdown]
-# ### Sigmoid against softmax, on the same logits
+# **Step 5.** The weights come from the affinities s, not from the choice scores, renormalised over the chosen
+# experts and multiplied by the scaling factor, so they always sum to 2.827:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+w = s[idx] / (s[idx].sum() + 1e-20) * gate.scaling  # [k]
+print(f"weights sum to routed_scaling_factor = {w.sum().item():.3f}")
+print("equal to hook_topk_weights:", torch.allclose(w, cache[g + "hook_topk_weights"][0, -1]))
+print("equal to hook_topk_idx:", torch.equal(idx, cache[g + "hook_topk_idx"][0, -1]))
+
+# %% [markdown]
+# The figure puts the stages together: bars are affinities (filled for the chosen experts), diamonds the choice
+# scores, hollow circles the experts the token would have chosen without the bias.
+
+# %% tags=["nbval-ignore-output"]
+from k2lab import routing, viz
+
+tr = routing.trace(model, ids)
+j = tr.row(layer)
+viz.router_token_figure(tr.scores[j, 0, -1], bias, tr.indices[j, 0, -1], tr.weights[j, 0, -1],
+                        logits=logits, unbiased=tr.unbiased_indices[j, 0, -1],
+                        title=f"Layer {layer}, token {tokens[-1]!r}")
+
+# %% [markdown]
+# ### Exercise 1 ★★ · Write it yourself: the router
 #
-# Mixtral, OLMoE and DeepSeek-V2 turn the router logits into a softmax; K2 (like DeepSeek-V3) uses a sigmoid per
-# expert. Both are increasing functions of the logit, so on their own they choose the same top-k. What differs:
+# Write the five stages as one function over a batch of tokens: `x` [N, D] the router's inputs, `weight` [E, D] its
+# matrix (`gate.weight`), `bias` [E] the correction bias, then `top_k` and `scaling`. Return the chosen experts
+# [N, k] and their weights [N, k], in any order of the k slots. The check runs it on a random router whose bias is
+# far from zero (a zero bias would hide the commonest slips), against k2lab's `Router`, and names what it recognises:
+# the bias in the weights, a softmax, no renormalisation, no scaling, the bias on the logits, ...
+
+# %%
+from k2lab.lab import exercises
+
+
+def my_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    """x [N, D], weight [E, D], bias [E] -> (idx [N, k], weights [N, k])"""
+    raise NotImplementedError
+
+
+print(exercises.check_router(my_router))
+
+# %% [markdown] tags=["hint"]
+# Three lines do it. `s = (x @ weight.T).sigmoid()`; the experts are `(s + bias).topk(top_k, dim=-1).indices`;
+# the weights are gathered from **s**, not from `s + bias` (`s.gather(-1, idx)`), then divided by their sum over the
+# k slots and multiplied by `scaling`.
+
+# %% [markdown] tags=["solution"]
+# The bias enters once, in the top-k, and the weights are read from s at the chosen indices. Then the function runs on
+# the real input of the last MoE layer, which the probe `post_attention_layernorm.hook_out` records (the block's
+# second norm of the residual, [04b](04b_block.ipynb)), and must choose what the model chose for every token.
+
+# %% tags=["solution"]
+def my_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    s = (x.float() @ weight.float().T).sigmoid()  # [N, E] stages 1-2
+    idx = (s + bias).topk(top_k, dim=-1).indices  # [N, k] stages 3-4: the bias chooses ...
+    w = s.gather(-1, idx)  # [N, k] ... but the weights come from s
+    return idx, w / w.sum(-1, keepdim=True) * scaling  # stage 5
+
+
+print(exercises.check_router(my_router))
+_, full = model.run_with_cache(ids, names=f"layers.{layer}.")
+h = full[f"layers.{layer}.post_attention_layernorm.hook_out"][0]  # [T, D] what the router reads
+mine, mine_w = my_router(h, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.scaling)
+theirs = full[f"layers.{layer}.mlp.gate.hook_topk_idx"][0]  # [T, k]
+print("same experts as hook_topk_idx for every token:", torch.equal(mine.sort(-1).values, theirs.sort(-1).values))
+
+# %% [markdown]
+# ## Why not softmax: the same logits, two routers
+#
+# The exercise needed no softmax. Before the bias, what does the sigmoid itself change? Both functions increase with
+# the logit, so on their own they choose the same top k. They differ in what the scores mean:
 #
 # * softmax scores compete: they sum to 1 over all E experts, so one expert's score depends on every other logit;
 #   sigmoid scores are each in (0, 1), independent of the others;
@@ -98,8 +197,9 @@ for n, e in enumerate(best.tolist()):
 # %% [markdown]
 # Read the table: the sigmoid weights are flatter than the softmax ones (a sigmoid saturates, an exponential does
 # not), and shifting every logit by +2 leaves the softmax weights exactly as they were but moves the sigmoid ones.
-# Only with the bias do the two routers choose differently: a bias added to sigmoid scores in (0, 1) can overturn
-# their order, as the next step shows.
+# So without a bias the two routers choose the same experts and weigh them differently. The bias is what makes the
+# choice differ: added to sigmoid scores in (0, 1), it can overturn their order ("Bias flips", below, counts how
+# often).
 
 # %% [markdown]
 # ### A softmax-routed model beside K2-nano
@@ -174,33 +274,11 @@ fig.update_layout(title=f"Last token's router scores, sorted (filled: chosen), {
 fig
 
 # %% [markdown]
-# On a log axis: K2-nano's sigmoid scores spread over a factor of about 20 and the chosen ones stand out, though
-# the bias (not shown) picks among the close ones. The random softmax router's scores all sit near 1/E: at
-# initialisation its logits are tiny, so softmax is almost uniform and the choice is almost arbitrary; training
-# is what would pull them apart.
-#
-# **Step 5.** The weights come from the affinities s, not from the choice scores, renormalised over the chosen
-# experts and multiplied by the scaling factor, so they always sum to 2.827:
-
-# %%
-# NBVAL_CHECK_OUTPUT
-w = s[idx] / (s[idx].sum() + 1e-20) * gate.scaling  # [k]
-print(f"weights sum to routed_scaling_factor = {w.sum().item():.3f}")
-print("equal to hook_topk_weights:", torch.allclose(w, cache[g + "hook_topk_weights"][0, -1]))
-print("equal to hook_topk_idx:", torch.equal(idx, cache[g + "hook_topk_idx"][0, -1]))
-
-# %% [markdown]
-# The figure puts the stages together: bars are affinities (filled for the chosen experts), diamonds the choice
-# scores, hollow circles the experts the token would have chosen without the bias.
-
-# %% tags=["nbval-ignore-output"]
-from k2lab import routing, viz
-
-tr = routing.trace(model, ids)
-j = tr.row(layer)
-viz.router_token_figure(tr.scores[j, 0, -1], bias, tr.indices[j, 0, -1], tr.weights[j, 0, -1],
-                        logits=logits, unbiased=tr.unbiased_indices[j, 0, -1],
-                        title=f"Layer {layer}, token {tokens[-1]!r}")
+# On a log axis: K2-nano's sigmoid scores spread over a factor of about 20. Its filled points are the experts the
+# router chose, and they are not the four highest scores: the fourth is the fifth by s (expert 30, s = 0.224,
+# chosen over expert 24's 0.245), because the bias, which this figure does not draw, picks among close scores. The
+# random softmax router's scores all sit near 1/E: at initialisation its logits are tiny, so softmax is almost
+# uniform and the choice is almost arbitrary; training is what would pull them apart.
 
 # %% [markdown]
 # ## Only the spread of the bias matters
@@ -263,7 +341,7 @@ viz.bias_flip_figure(flip_share, tr.layers)
 # %% [markdown]
 # How to read this: a flip needs only one of the k experts to change, and the bias changes the choice wherever
 # its differences exceed the gap between the last chosen and the first unchosen affinity. In K2-nano the biases'
-# spread (their std) is 2 to 4 times the typical gap at the k-th place, so in layers 1 to 3 three tokens in four
+# spread (their std) is 1.8 to 3.8 times the typical gap at the k-th place, so in layers 1 to 3 three tokens in four
 # have an expert swapped: usually one in layers 2 and 3, in layer 1 more often two. Which places does it take?
 # The last count above: of the 191 experts the bias dropped on this prompt, 101 held the 4th place by affinity,
 # 62 the 3rd, 26 the 2nd and 2 the 1st; in layer 1 the 3rd place lost slightly more often than the 4th. Layers
@@ -310,7 +388,9 @@ print(f"loss: {loss_with:.3f} nats/token with the bias, {loss_without:.3f} witho
 # 8 × 128 tokens of held-out code, in a model whose experts were trained with that bias routing their tokens.
 # Removing it changes only which experts run (the weights never contain the bias). It does not measure what
 # balancing costs in training: that would need a model trained without the bias (or with a balance loss instead)
-# to compare with, and none was trained here. Balance matters on a real cluster, where the experts sit on
+# to compare with, and none was trained here; Wang et al. (2024) report that comparison, with models trained each
+# way, and it is their result, not this notebook's, that the bias balances at a smaller cost in loss than an
+# auxiliary loss does. Balance matters on a real cluster, where the experts sit on
 # different GPUs and the GPU that holds an overloaded expert makes the others wait.
 
 # %% [markdown]
@@ -327,7 +407,8 @@ viz.widgets.router_explorer(tr, tokens, logits=router_logits)
 # ## Groups
 #
 # DeepSeek-V3 also limits each token to the experts of its best `topk_group` of `n_group` groups (a group scored by
-# the sum of its two best choice scores). K2 sets `n_group = 1`, so the limit does nothing; `k2lab` implements it
+# the sum of its two best choice scores; DeepSeek-V3 keeps 4 of 8 groups, which its report uses to bound how many
+# nodes a token's experts sit on). K2 sets `n_group = 1`, so the limit does nothing; `k2lab` implements it
 # anyway (`routing.select_experts`, `routing.allowed_experts`) for DeepSeek-V3 checkpoints.
 
 # %%
@@ -340,38 +421,27 @@ print("select_experts reproduces the router:",
                                          model.config.topk_group), tr.indices))
 
 # %% [markdown]
-# ## Exercises
+# ## More exercises
 #
-# **1. Predict, then run.** Raise one expert's bias in the last MoE layer by +1.0 (with `edit_bias`). What share of
-# the prompt's tokens will choose it? Predict, then count with `routing.trace`.
+# ### Exercise 2 ★ · Predict, then run: one expert's bias
 #
-# **2. Change a knob.** Scale every MoE layer's bias by 0.5 and by 2 (`edit_bias(model, {i: lambda b: 0.5 * b})`)
-# and measure MaxVio and the loss with `balance_and_loss`. Predict the direction of each before you run.
+# Raise one expert's bias in the last MoE layer by +1.0 (with `edit_bias`). What share of the prompt's tokens will
+# choose it? Predict from the table of steps 1–3 (the sizes of s and of the other biases), then count with
+# `routing.trace`.
 
 # %%
 # your code here
 
-# %% [markdown]
-# **3. Write it yourself: the router's five stages.** Logits, sigmoid, + bias for the choice, top-k, weights from
-# s renormalised and scaled. Then run your router on the last MoE layer's real input (its
-# `post_attention_layernorm` of `hook_resid_mid`) and compare with `hook_topk_idx`.
+# %% [markdown] tags=["hint"]
+# A choice score is s + b with s in (0, 1). Compare 1 + (the expert's smallest s over the prompt) with the largest
+# choice score any other expert reaches. To count: inside `with edit_bias(model, {layer: lambda b: ...})`, take
+# `routing.trace(model, ids)` and test `(trace.indices[trace.row(layer), 0] == expert).any(-1)` for each token.
 
-# %%
-from k2lab.lab import exercises
-
-
-def my_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
-    """x [N, D], weight [E, D], bias [E] -> (idx [N, k], weights [N, k])"""
-    raise NotImplementedError
-
-
-print(exercises.check_router(my_router))
-
-# %% [markdown]
-# ## Solutions
-#
-# **1.** Sigmoid scores lie in (0, 1) and the other biases are small, so +1 lifts the expert above every other
-# choice score: every token chooses it (its weight still comes from its own affinity).
+# %% [markdown] tags=["solution"]
+# Every token chooses it. Sigmoid scores lie in (0, 1) and the other biases of this layer differ by at most 0.21, so
+# +1 lifts the expert's choice score above every other expert's for every token. Its *weight* still comes from its
+# own affinity, which is what the renormalised weights are made of; so the token now spends one of its four slots on
+# an expert that may not suit it.
 
 # %% tags=["solution"]
 target = int(tr.indices[tr.row(layer), 0, -1, -1])  # any expert will do; here the last token's k-th choice
@@ -382,30 +452,31 @@ print(f"expert {target} at layer {layer}: chosen by {share:.0%} of tokens (befor
       f"{(tr.indices[tr.row(layer), 0] == target).any(-1).float().mean().item():.0%})")
 
 # %% [markdown]
-# **2.** Halving the bias lets the affinities decide more (MaxVio rises); doubling it overshoots (the formerly
-# idle experts now take too much) and the loss pays more:
+# ### Exercise 3 ★★ · Change a knob: half and double the bias
+#
+# Scale every MoE layer's bias by 0.5 and by 2 (`edit_bias(model, {i: lambda b: 0.5 * b for i in tr.layers})`) and
+# measure MaxVio and the loss with `balance_and_loss`. Predict the direction of each before you run. Is doubling
+# the bias twice as good for balance?
+
+# %%
+# your code here
+
+# %% [markdown] tags=["hint"]
+# Only the spread of the bias matters, and the trained spread was found by the balancing rule for these experts.
+# Halving it gives the affinities more say; doubling it lets the bias overrule them. Think about which experts the
+# doubled bias favours: the ones that were idle without it.
+
+# %% [markdown] tags=["solution"]
+# Neither helps. Halving the bias gives the affinities more say and the load drifts back towards the busy experts:
+# MaxVio rises in every layer (to 0.95 to 2.14, from 0.61 to 1.01) while the loss barely moves (4.032 against
+# 4.027). Doubling it overshoots: the experts that were idle without the bias now get too many tokens, MaxVio rises
+# too (1.46 to 2.64), and the loss rises by 0.054 nats per token, twice as much as removing the bias altogether
+# (+0.025). The trained bias sits where the balancing rule stopped moving it, the spread that evens the load
+# without overruling the affinities.
 
 # %% tags=["solution"]
 for factor in (0.5, 2.0):
     vio, loss = balance_and_loss({i: (lambda b, f=factor: f * b) for i in tr.layers})
     print(f"bias x {factor}: MaxVio {[round(v, 2) for v in vio.tolist()]}, loss {loss:.3f} "
-          f"(trained bias: {[round(v, 2) for v in vio_with.tolist()]}, {loss_with:.3f})")
-
-# %% [markdown]
-# **3.** The five stages, then the real input of the last MoE layer:
-
-# %% tags=["solution"]
-def my_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
-    s = (x.float() @ weight.float().T).sigmoid()  # [N, E] stages 1-2
-    idx = (s + bias).topk(top_k, dim=-1).indices  # [N, k] stages 3-4: the bias chooses ...
-    w = s.gather(-1, idx)  # ... but the weights come from s
-    return idx, w / w.sum(-1, keepdim=True) * scaling  # stage 5
-
-
-assert exercises.check_router(my_router)
-print(exercises.check_router(my_router))
-_, full = model.run_with_cache(ids, names=lambda n: n.startswith(f"layers.{layer}."))
-h = model.layers[layer].post_attention_layernorm(full[f"layers.{layer}.hook_resid_mid"][0])  # [T, D]
-mine, _ = my_router(h, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.scaling)
-print("same experts as hook_topk_idx for every token:",
-      torch.equal(mine.sort(-1).values, full[f"layers.{layer}.mlp.gate.hook_topk_idx"][0].sort(-1).values))
+          f"(trained bias: {[round(v, 2) for v in vio_with.tolist()]}, {loss_with:.3f}; "
+          f"no bias: {loss_without:.3f})")
