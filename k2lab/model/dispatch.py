@@ -1,29 +1,34 @@
 """Speed room: the chosen experts run grouped, tokens sorted by expert, experts of similar load in pairs.
 
 Replaces ``MoE``'s reference loop (one ``where`` and three products per chosen expert) for a decode step (one new
-token per sequence, at most ``DECODE_BATCH`` sequences), on a GPU (where each ``where`` waits for the device: one
-host sync per chosen expert, against one per layer here) and for training (``MoE.grouped = True``). What it gains:
+token per sequence, at most ``DECODE_BATCH`` sequences), on a GPU (where each ``where`` waits for the device) and for
+training (``MoE.grouped = True``). ``grouped_experts`` chooses how:
 
-- Pairs: two experts of similar load run as one batched product over a strided view of the stacks (no copy). That
-  halves the product calls, and a batched product runs a batch entry per thread, where one expert's product of a
-  few rows runs on one thread (what a decode step gains: ``python -m benchmarks.vs_hf``, docs/speed.md).
-- One gather in, one gather out: the rows of all experts are sorted once, so autograd's backward is one pass of
-  each, where the loop's per-expert indexing makes it allocate a whole [N, k, D] gradient per expert.
-- ``StackSlices``: the pairs' views of a stack get one gradient node per stack, not one stack-sized gradient per
-  pair.
+- On the CPU, and where nothing below applies, in pairs (``paired_experts``): two experts of similar load run as one
+  batched product over a strided view of the stacks (no copy). That halves the product calls, and a batched product
+  runs a batch entry per thread, where one expert's product of a few rows runs on one thread (what a decode step
+  gains: ``python -m benchmarks.vs_hf``, docs/speed.md). One gather in and one gather out, so that autograd's backward
+  is one pass of each, and ``StackSlices`` gives the pairs' views of a stack one gradient node per stack. Which
+  experts run is read back to Python once per layer (one ``.tolist()``: a host sync on a GPU), so torch.compile does
+  not trace it (``torch.compiler.disable``).
+- On a GPU, without a host sync: stacked bfloat16 experts sorted by expert through one grouped product per projection
+  (``sorted_experts``: ``torch._grouped_mm``, whose group offsets stay on the device); experts held quantized, at most
+  as many slots as experts (a decode step), read by index (model/indexed.py).
 
-Which experts run is read back to Python once per layer (one ``.tolist()``), so torch.compile does not trace it
-(``torch.compiler.disable``). Equal to the loop to float32 rounding, in the same slot layout [B, T, k, D].
-Streamed and quantized experts (``RoutedExperts.stacked`` False) make each expert's matrices as it runs: they run
-one at a time here, still sorted.
+Equal to the loop to float32 rounding, in the same slot layout [B, T, k, D]. Streamed experts (read from files per
+expert) run one at a time in the paired path, still sorted.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+
+from .indexed import indexable, indexed_experts
 
 # A decode step (one new token per sequence) of at most this many sequences runs grouped by default: its experts'
 # products have few rows.
@@ -70,14 +75,23 @@ class StackSlices(torch.autograd.Function):
         return stack_grad, None
 
 
+def expert_linears(experts, expert: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+    """The products h [n, in] -> h @ W^T of one expert's gate, up and down: the experts' own where they have them
+    (``expert_linears``: FP8 experts multiply as stored on a GPU that can), else over ``expert_weights``."""
+    own = getattr(experts, "expert_linears", None)
+    if own is not None:
+        return own(expert)
+    return tuple(partial(F.linear, weight=weight) for weight in experts.expert_weights(expert))
+
+
 def run_groups(experts, groups: list[tuple[int, ...]], blocks: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each group's experts on its row block, h [g, n, D] -> [g, n, D] (row block j through expert group[j]): one
     batched SwiGLU per group over views of the stacks, or each expert's ``expert_weights`` when not ``stacked``."""
     if not experts.stacked:
         outs = []
         for group, h in zip(groups, blocks, strict=True):
-            gate, up, down = experts.expert_weights(group[0])
-            outs.append(F.linear(F.silu(F.linear(h[0], gate)) * F.linear(h[0], up), down)[None])
+            gate, up, down = expert_linears(experts, group[0])
+            outs.append(down(F.silu(gate(h[0])) * up(h[0]))[None])
         return outs
     stacks = (experts.gate_proj, experts.up_proj, experts.down_proj)
     if torch.is_grad_enabled() and experts.gate_proj.requires_grad:
@@ -88,10 +102,52 @@ def run_groups(experts, groups: list[tuple[int, ...]], blocks: list[torch.Tensor
             for h, gate, up, down in zip(blocks, *views, strict=True)]
 
 
-@torch.compiler.disable
 def grouped_experts(experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Every chosen expert's output: x [B, T, D], idx [B, T, k] (of ``experts``, a ``RoutedExperts``) ->
-    [B, T, k, D], slot s of token (b, t) holding expert idx[b, t, s]'s SwiGLU of x[b, t]."""
+    [B, T, k, D], slot s of token (b, t) holding expert idx[b, t, s]'s SwiGLU of x[b, t]. On a GPU without a host sync
+    where it can (``sorted_experts``, ``indexed_experts``), else in pairs (``paired_experts``)."""
+    if x.device.type != "cpu":
+        training = torch.is_grad_enabled() and experts.stacked and experts.gate_proj.requires_grad
+        if experts.stacked and not training and grouped_mm_runs(x.device, x.dtype):
+            return sorted_experts(experts, x, idx)
+        if idx.numel() <= experts.num_experts and indexable(experts):
+            return indexed_experts(experts, x, idx)  # model/indexed.py
+    return paired_experts(experts, x, idx)
+
+
+@torch.compiler.assume_constant_result
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs its grouped kernel on ``device`` for ``dtype``: bfloat16 on CUDA devices of
+    compute capability 9.0 or more. Elsewhere it falls back to a loop that reads the offsets back to the host."""
+    return (device.type == "cuda" and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def sorted_experts(experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """As ``grouped_experts``, for stacked experts, with nothing read back to the host: the (token, slot) rows sorted by
+    expert, and one grouped product per projection (``torch._grouped_mm``) over the stacks, each expert's rows ending
+    at an offset computed on the device (an expert without rows is an empty group). A compiled graph traces it whole."""
+    B, T, k = idx.shape
+    D = x.shape[-1]
+    flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
+    order = flat.argsort(stable=True)  # [N*k] slots sorted by expert
+    counts = torch.zeros(experts.num_experts, dtype=torch.int32, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E] (bincount would read its size back to the host)
+    ends = counts.cumsum(0, dtype=torch.int32)  # [E] where each expert's rows end among the sorted ones
+    rows = x.reshape(B * T, D).index_select(0, order // k)  # [N*k, D] sorted by expert
+
+    def grouped(h: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:  # [N*k, in] through [E, out, in] -> [N*k, out]
+        return torch._grouped_mm(h, stack.mT, offs=ends)
+
+    h = F.silu(grouped(rows, experts.gate_proj)) * grouped(rows, experts.up_proj)  # [N*k, I]
+    out = grouped(h, experts.down_proj)  # [N*k, D]
+    return torch.empty_like(out).index_copy_(0, order, out).view(B, T, k, D)  # back to slot order
+
+
+@torch.compiler.disable
+def paired_experts(experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """As ``grouped_experts``, experts of similar load in pairs (the module docstring), reading which experts run back
+    to Python once."""
     B, T, k = idx.shape
     D = x.shape[-1]
     x, flat = x.reshape(B * T, D), idx.reshape(-1)  # [N, D], [N*k] expert of each (token, slot)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
 from .attention import AttnImpl
+from .compiled_decode import compiled_decode_step, eager_reason
 from .hooks import HookedModule
 from .transformer import K2Model, Tokenizer, check_attention_mask, is_text
 
@@ -96,13 +98,15 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     class spliced in (``model.is_observed()``); then under ``torch.no_grad``, so that what such code keeps stays
     ordinary tensors that autograd can use later. The result is an ordinary tensor either way.
 
-    ``compile=True`` runs the decode steps through ``torch.compile`` (the prefill stays eager): the whole step is
-    one graph whose small ops inductor fuses into a few kernels, and whose experts are read by index inside them
-    (model/indexed.py). The first step compiles (tens of seconds on a CPU, again for each new thread count); after
-    that a step of the benchmark model takes about half the eager one on a 2-core CPU (docs/speed.md). The tokens
-    equal eager generation's up to float32 rounding of near-ties. Hooks cannot run inside a compiled graph, so it
-    refuses a model with anything attached (``model.is_observed()``). Needs a C++ compiler on the CPU, as
-    ``torch.compile`` does.
+    ``compile=True`` runs the decode steps through ``torch.compile`` with ``fullgraph=True`` (the prefill stays
+    eager; model/compiled_decode.py): the whole step is one graph whose small ops inductor fuses into a few kernels,
+    and whose experts, stacked or held quantized (FP8, INT4), are read by index inside them (model/indexed.py). On
+    one CUDA device the step runs over a static cache and is captured as a CUDA graph (``mode="reduce-overhead"``).
+    The first step compiles (tens of seconds on a CPU, again for each new thread count); after that a step of the
+    benchmark model takes about half the eager one on a 2-core CPU (docs/speed.md). The tokens equal eager
+    generation's up to float32 rounding of near-ties. Hooks cannot run inside a compiled graph, so a model with
+    anything attached (``model.is_observed()``), or with streamed experts, generates eagerly, after a warning that
+    says why. Needs a C++ compiler on the CPU, as ``torch.compile`` does.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     if not isinstance(compile, bool):
@@ -144,10 +148,11 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
         generator = torch.Generator(device=model.device).manual_seed(seed)
 
     observed = not isinstance(model, HookedModule) or model.is_observed()
-    if compile and observed:
-        raise ValueError("compile=True runs each decode step as one compiled graph, where hooks, wrappers and "
-                         "spliced modules cannot run, and something is attached to this model (model.is_observed()): "
-                         "detach it (model.reset_hooks() for k2lab's hooks) or generate without compile")
+    reason = eager_reason(model, observed) if compile else None  # model/compiled_decode.py
+    if reason is not None:
+        # stacklevel 3: past torch.no_grad's wrapper, at the caller
+        warnings.warn(f"generate(compile=True) runs eagerly: {reason}", UserWarning, stacklevel=3)
+        compile = False
     with torch.no_grad() if observed else torch.inference_mode():  # model/inference.py
         out = _decode(model, ids, mask, allowed, max_new_tokens, temperature, top_k, top_p, generator, eos,
                       attn_impl, compile)
@@ -172,7 +177,7 @@ def _decode(model: K2Model, ids: torch.Tensor, mask: torch.Tensor | None, allowe
     B, T = ids.shape
     # Storage for every position is reserved first: no step grows the cache (a compiled step must not, in its graph).
     cache = model.new_cache(B, capacity=T + max_new_tokens)
-    step = torch.compile(model, dynamic=True) if compile else model  # dynamic: one graph for every cache length
+    step = None  # compile: the compiled decode step, made once the prefill has filled the cache
     done = torch.zeros(B, dtype=torch.bool, device=ids.device)
     # Where each row's next token is read: its last real token at prefill (pads may follow it), then the new one.
     last = torch.full((B,), T - 1, device=ids.device)
@@ -180,8 +185,11 @@ def _decode(model: K2Model, ids: torch.Tensor, mask: torch.Tensor | None, allowe
         last = T - 1 - mask.flip(-1).int().argmax(-1)  # [B]
     out, step_input, step_mask = [ids], ids, mask  # the cache remembers the pads after the prefill
     for i in range(max_new_tokens):
-        forward = step if i > 0 else model  # the prefill runs eager: its products are large, its shapes vary
-        logits = forward(step_input, cache=cache, attn_impl=attn_impl, attention_mask=step_mask)  # [B, T', V]
+        if i == 0 or not compile:  # the prefill runs eager: its products are large, its shapes vary
+            logits = model(step_input, cache=cache, attn_impl=attn_impl, attention_mask=step_mask)  # [B, T', V]
+        else:
+            step = step or compiled_decode_step(model, cache, attn_impl)  # model/compiled_decode.py
+            logits = step(step_input)  # [B, 1, V]
         logits = logits[torch.arange(B, device=ids.device), last]  # [B, V]
         if allowed is not None:
             logits, allowed = logits.masked_fill(~allowed, float("-inf")), None

@@ -14,7 +14,7 @@ from torch import nn
 from ..config import K2Config
 from .dispatch import DECODE_BATCH, grouped_experts
 from .hooks import HookPoint
-from .indexed import indexed_experts
+from .indexed import indexable, indexed_experts
 from .layers import SwiGLU
 
 # The router's correction bias is held (and stored, and read) in float32 whatever dtype the rest of the model uses:
@@ -131,9 +131,9 @@ class MoE(nn.Module):
 
     # How the chosen experts run. None: the reference loop below, except for a decode step (one new token per
     # sequence, at most DECODE_BATCH sequences) and on a GPU (where the loop's `where` per expert is a host sync),
-    # which run them grouped (model/dispatch.py), and a compiled decode step, which reads them by index
-    # (model/indexed.py). True: always grouped (training: one gradient pass per
-    # stack). False: always the loop.
+    # which run them grouped (model/dispatch.py, without a host sync on a GPU), and a compiled decode step, which
+    # reads them by index (model/indexed.py). True: always grouped (training: one gradient pass per stack). False:
+    # always the loop.
     grouped: bool | None = None
 
     def __init__(self, cfg: K2Config):
@@ -153,7 +153,7 @@ class MoE(nn.Module):
         idx, weights = self.gate(x)  # [B, T, k], [B, T, k]
         if x.device.type == "meta":  # shapes without values (the full K2 without memory): no expert to choose
             expert_out = x.new_empty(B, T, idx.shape[-1], D)
-        elif torch.compiler.is_compiling() and self.experts.stacked and idx.numel() <= self.experts.num_experts:
+        elif torch.compiler.is_compiling() and idx.numel() <= self.experts.num_experts and indexable(self.experts):
             expert_out = indexed_experts(self.experts, x, idx)  # model/indexed.py: a compiled decode step
         elif self.grouped or (self.grouped is None and (T == 1 and B <= DECODE_BATCH or x.device.type != "cpu")):
             expert_out = grouped_experts(self.experts, x, idx)  # model/dispatch.py: decode steps, GPUs, training

@@ -226,5 +226,14 @@ class QuantizedRoutedExperts(QuantizedResident, RoutedExperts):
             for p in EXPERT_PROJS
         )
 
+    def chosen_weights(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The matrices of the experts ``idx`` [...] names, gathered from the stacks by the routing tensor itself and
+        dequantized: (gate [..., I, D], up [..., I, D], down [..., D, I]). No expert id is read back to Python, so a
+        compiled step traces it and a GPU runs it without a host sync (model/indexed.py)."""
+        return tuple(  # type: ignore[return-value]
+            self.format.dequantize(tuple(getattr(self, p + s)[idx] for s in self.suffixes), self.dtype)
+            for p in EXPERT_PROJS
+        )
+
     def extra_repr(self) -> str:
         return f"{self.num_experts} experts, {self.format}"

@@ -10,23 +10,27 @@ experts in e4m3 (the embedding, head, norms and router stay bfloat16). Two ways 
 - keep them FP8-resident and dequantize at each use (the GPU path: memory is about the FP8 bytes):
   ``FP8Linear`` and ``FP8RoutedExperts``. Their ``.weight`` / ``expert_weights(e)`` return dequantized tensors,
   so code that reads weights (absorbed attention reads ``kv_b_proj.weight``) works unchanged.
+Off the CPU each use dequantizes in one compiled pass (fused_dequant.py), and ``FP8Linear`` multiplies in FP8 where
+the GPU can (fp8_matmul.py).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from ...config import K2Config
-from ..schema import TensorSpec
+from ...model.linear import split_linear
+from ..schema import EXPERT_PROJS, TensorSpec
 from .base import QuantFormat, QuantizedLinear, QuantizedRoutedExperts, Stored, register
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite e4m3 value
+from .fp8_matmul import FP8, FP8_MAX, blockwise_applies, blockwise_linear, refuse_blockwise
+from .fused_dequant import in_one_pass
 
 # The exact float32 values of every pair of e4m3 bytes (512 KiB): row v packs, in one float64 slot, the values of
 # the two bytes of the int16 whose unsigned reading is v (the int32 -> int16 cast wraps 32768..65535 to the
@@ -117,7 +121,7 @@ class FP8Format(QuantFormat):
 
     def dequantize(self, held: tuple[torch.Tensor, ...], dtype: torch.dtype | None) -> torch.Tensor:
         values, scale_inv = held
-        return dequantize(values, scale_inv, self.block, dtype or torch.bfloat16)
+        return in_one_pass(dequantize, values, scale_inv, self.block, dtype or torch.bfloat16)  # fused_dequant.py
 
     def quantization_config(self) -> dict[str, Any]:
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -149,12 +153,22 @@ class FP8Format(QuantFormat):
 class FP8Linear(QuantizedLinear):
     """A bias-free Linear whose weight stays e4m3 (``weight_fp8``) with float32 block scales (``weight_scale_inv``).
     ``.weight`` is the dequantized weight, made at each read (in ``dtype``), so the FP8 bytes are all it keeps
-    between uses."""
+    between uses.
+
+    Its product is x @ ``.weight``^T, equal to the checkpoint's arithmetic to bfloat16 rounding. With
+    ``fp8_products = True`` (on a module or on the class) it reads the e4m3 bytes themselves where the GPU multiplies
+    FP8 (fp8_matmul.py: Hopper), activations rounded to e4m3 in 1x128 blocks: DeepSeek-V3's serving arithmetic, faster
+    and about 2.6% off per product, so off by default in a lab that compares activations."""
+
+    fp8_products: bool = False
 
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int] = (128, 128),
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
         super().__init__(FP8Format(block), in_features, out_features, dtype, device)
         self.block = self.format.block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        return fp8_product(x, self.weight_fp8, self.weight_scale_inv, self.block, self.dtype, self.fp8_products)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 in {self.block} blocks"
@@ -162,9 +176,31 @@ class FP8Linear(QuantizedLinear):
 
 class FP8RoutedExperts(QuantizedRoutedExperts):
     """Routed experts held as e4m3 stacks ``{gate,up,down}_proj_fp8`` [E, rows, cols] with scales
-    ``{...}_scale_inv`` [E, ceil(rows/b0), ceil(cols/b1)]; a chosen expert is dequantized when it runs."""
+    ``{...}_scale_inv`` [E, ceil(rows/b0), ceil(cols/b1)]; a chosen expert is dequantized when it runs, or, run one at
+    a time (``expert_linears``), multiplied in FP8 where the GPU can, as ``FP8Linear`` is."""
+
+    fp8_products: bool = False  # as FP8Linear's
 
     def __init__(self, cfg: K2Config, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None):
         super().__init__(FP8Format(block), cfg, dtype, device)
         self.block = self.format.block
+
+    def expert_linears(self, expert: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+        """The products h [n, D] -> h @ W^T of expert ``expert``'s gate, up and down (``fp8_product``)."""
+        return tuple(partial(fp8_product, values=getattr(self, p + "_fp8")[expert],
+                             scale_inv=getattr(self, p + "_scale_inv")[expert], block=self.block, dtype=self.dtype,
+                             fp8_products=self.fp8_products) for p in EXPERT_PROJS)
+
+
+def fp8_product(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                dtype: torch.dtype, fp8_products: bool = False) -> torch.Tensor:
+    """x [..., I] @ W^T -> [..., O], W the e4m3 ``values`` [O, I] times ``scale_inv`` in ``block`` blocks: multiplied
+    block-scaled in FP8 where the GPU can and ``fp8_products`` (fp8_matmul.py), else x @ W^T with W dequantized into
+    ``dtype`` (in one pass off the CPU)."""
+    if fp8_products and blockwise_applies(x, values, block):
+        try:
+            return blockwise_linear(x, values, scale_inv)  # fp8_matmul.py
+        except (RuntimeError, ValueError) as err:  # cuBLASLt refused: named once, then every product dequantises
+            refuse_blockwise(x.device, err)
+    return split_linear(x, in_one_pass(dequantize, values, scale_inv, block, dtype))

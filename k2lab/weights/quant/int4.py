@@ -11,7 +11,7 @@ config.json's ``quantization_config`` (quant_method ``compressed-tensors``) name
 ``ignore``: K2-Thinking's list keeps attention, the shared experts, the dense MLP and the head in bfloat16 (the
 embedding, norms and router are not Linears and never quantized), so every routed expert is INT4. As with FP8, a
 model holds such matrices either dequantized at load or INT4-resident (``Int4Format.linear`` / ``routed_experts``:
-packed values and scales as buffers, dequantized at each use).
+packed values and scales as buffers, dequantized at each use, in one compiled pass off the CPU: fused_dequant.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 from ..schema import TensorSpec
 from .base import QuantFormat, Stored, register
+from .fused_dequant import in_one_pass
 
 NIBBLES_PER_WORD = 8  # 4-bit values in an int32
 _SHIFTS = torch.arange(NIBBLES_PER_WORD, dtype=torch.int32) * 4  # nibble k sits at bits 4k .. 4k+3
@@ -41,6 +42,18 @@ def pack(values: torch.Tensor) -> torch.Tensor:
     nibbles = (values.to(torch.int64) + 8).unflatten(-1, (-1, NIBBLES_PER_WORD))  # [..., O, I/8, 8] in 0..15
     words = (nibbles << _SHIFTS.to(nibbles.device, torch.int64)).sum(-1)  # disjoint bits: the sum is the OR
     return (words - (words >= 2**31) * 2**32).to(torch.int32)  # the same 32 bits, read as a signed word
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, group_size: int,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(packed [..., O, I/8], scale [..., O, I/g]) -> [..., O, I]: each product is exact in float32 (a 4-bit integer
+    times a bfloat16), then rounded once to ``dtype``."""
+    # The shifts are made where the values are: copying them from the host would wait for the device at every use.
+    shifts = torch.arange(NIBBLES_PER_WORD, dtype=torch.int32, device=packed.device) * 4
+    nibbles = (packed[..., None] >> shifts) & 0xF  # [..., O, I/8, 8]: column 8j + k
+    weight = nibbles.view(*packed.shape[:-1], -1, group_size).float().sub_(8)  # [..., O, I/g, g] q
+    weight.mul_(scale.to(weight.device, torch.float32)[..., None])  # (in place: one float32 buffer)
+    return weight.flatten(-2).to(dtype)  # [..., O, I]
 
 
 @register
@@ -91,13 +104,8 @@ class Int4Format(QuantFormat):
         return pack(values), scale, torch.tensor([O, I], dtype=torch.int32)
 
     def dequantize(self, held: tuple[torch.Tensor, ...], dtype: torch.dtype | None) -> torch.Tensor:
-        """(packed [..., O, I/8], scale [..., O, I/g]) -> [..., O, I]: each product is exact in float32 (a 4-bit
-        integer times a bfloat16), then rounded once to ``dtype`` (default bfloat16)."""
         packed, scale = held
-        nibbles = (packed[..., None] >> _SHIFTS.to(packed.device)) & 0xF  # [..., O, I/8, 8]: column 8j + k
-        weight = nibbles.view(*packed.shape[:-1], -1, self.group_size).float().sub_(8)  # [..., O, I/g, g] q
-        weight.mul_(scale.to(weight.device, torch.float32)[..., None])  # (in place: one float32 buffer)
-        return weight.flatten(-2).to(dtype or torch.bfloat16)  # [..., O, I]
+        return in_one_pass(dequantize, packed, scale, self.group_size, dtype or torch.bfloat16)  # fused_dequant.py
 
     def check_unheld(self, spec: TensorSpec, stored: Stored, tensor: torch.Tensor) -> None:
         if tensor.tolist() != list(spec.shape):
