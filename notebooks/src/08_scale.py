@@ -19,6 +19,7 @@ import torch
 
 import k2lab
 from k2lab import K2Config, lab, viz
+from k2lab.lab import exercises
 from k2lab.analysis.accounting import attention_parameters, block_parameters
 
 lab.setup_notebook()
@@ -265,7 +266,6 @@ shutil.rmtree(folder)  # 1 GB of random weights: not worth keeping
 # against `block_parameters`, and names the slips it recognises.
 
 # %%
-from k2lab.lab.exercises.analysis import check_moe_block_parameters
 
 
 def my_moe_block_parameters(cfg: K2Config) -> int:
@@ -273,7 +273,7 @@ def my_moe_block_parameters(cfg: K2Config) -> int:
     raise NotImplementedError
 
 
-print(check_moe_block_parameters(my_moe_block_parameters))
+print(exercises.check_moe_block_parameters(my_moe_block_parameters))
 
 # %% [markdown] tags=["hint"]
 # Name the widths first: D = `hidden_size`, H heads, N = `qk_nope_head_dim`, R = `qk_rope_head_dim`,
@@ -298,7 +298,7 @@ def my_moe_block_parameters(cfg: K2Config) -> int:
     return 2 * D + attention + router + experts
 
 
-print(check_moe_block_parameters(my_moe_block_parameters))
+print(exercises.check_moe_block_parameters(my_moe_block_parameters))
 print(f"K2: {my_moe_block_parameters(k2):,} parameters per MoE block, "
       f"{k2.n_routed_experts * 3 * k2.hidden_size * k2.moe_intermediate_size / my_moe_block_parameters(k2):.1%} "
       f"of them in the routed experts")

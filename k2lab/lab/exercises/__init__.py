@@ -14,21 +14,29 @@ whose rms makes eps matter, loads whose mean and median differ), and where an ex
 A stub that still raises ``NotImplementedError`` gets "not written yet", so a notebook with unsolved exercises
 still runs from top to bottom; library warnings raised inside a check stay out of the cell.
 
-The construction track, each piece checked against k2lab and then used by the next:
+The construction track, each piece checked against k2lab and then used by the next, and the other exercises:
 
-    check_bpe_training        01  learn BPE merges from a corpus (bytes, pre-tokens, most frequent pair)
-    check_bpe                 01  encode with ranks (rank-BPE)
-    check_yarn_frequencies    02  YaRN's inverse frequencies and softmax scale, for K2 and DeepSeek-V3
-    check_rotation            02  the rotary rotation
-    check_absorbed_score      03  the scores through the latent
-    check_mla_forward         03  MLA from its weights, naive or absorbed
-    check_router ... block    04  the router's five stages, RMSNorm, SwiGLU, the MoE's sum, the block
-    check_model_from_weights  09  the whole K2 from its state dict
-    check_bias_update         10  aux-loss-free balancing
-    check_newton_schulz       10  Muon's orthogonalisation
-    check_qk_clip             10  QK-Clip for one MLA head
-    check_feature_purity      11  a feature's purity against the routing
-    check_mutual_information  11  I(A; C) of two yes/no variables, in bits
+    check_greedy                00   greedy decoding
+    check_bpe_training          01   learn BPE merges from a corpus (bytes, pre-tokens, most frequent pair)
+    check_bpe                   01   encode with ranks (rank-BPE)
+    check_rotation              02   the rotary rotation
+    check_yarn_frequencies      02   YaRN's inverse frequencies and softmax scale, for K2 and DeepSeek-V3
+    check_kv_cache_bytes        03   the latent cache's bytes
+    check_mla_forward           03   MLA from its weights, naive or absorbed
+    check_absorbed_score        03   the scores through the latent
+    check_router                04a  the router's five stages
+    check_rms_norm ... block    04b  RMSNorm, SwiGLU, the MoE's sum, the block
+    check_max_violation         05   MaxVio, the load balance measure
+    check_logit_attribution     06   one term's direct logit attribution
+    check_patch_hook            07   a patching hook
+    check_moe_block_parameters  08   one MoE block's parameters
+    check_model_from_weights    09   the whole K2 from its state dict
+    check_logit_lens            09   the logit lens
+    check_newton_schulz         10   Muon's orthogonalisation
+    check_qk_clip               10   QK-Clip for one MLA head
+    check_bias_update           10   aux-loss-free balancing
+    check_feature_purity        11   a feature's purity against the routing
+    check_mutual_information    11   I(A; C) of two yes/no variables, in bits
 """
 
 from .analysis import (
@@ -36,6 +44,7 @@ from .analysis import (
     check_logit_attribution,
     check_logit_lens,
     check_max_violation,
+    check_moe_block_parameters,
     check_patch_hook,
 )
 from .attention import check_absorbed_score, check_mla_forward
@@ -49,9 +58,9 @@ from .training import check_bias_update, check_newton_schulz, check_qk_clip
 
 __all__ = [
     "DEEPSEEK_V3_ROPE", "Verdict", "Watch", "check_absorbed_score", "check_bias_update", "check_block", "check_bpe",
-    "check_bpe_training", "check_greedy", "check_kv_cache_bytes", "check_logit_attribution", "check_logit_lens",
-    "check_max_violation", "check_mla_forward", "check_model_from_weights", "check_moe_combine",
-    "check_newton_schulz", "check_patch_hook", "check_qk_clip", "check_rms_norm", "check_rotation", "check_router",
-    "check_swiglu", "check_yarn_frequencies", "small_k2", "train_bpe",
-    "check_feature_purity", "check_mutual_information",
+    "check_bpe_training", "check_feature_purity", "check_greedy", "check_kv_cache_bytes", "check_logit_attribution",
+    "check_logit_lens", "check_max_violation", "check_mla_forward", "check_model_from_weights", "check_moe_combine",
+    "check_moe_block_parameters", "check_mutual_information", "check_newton_schulz", "check_patch_hook",
+    "check_qk_clip", "check_rms_norm", "check_rotation", "check_router", "check_swiglu", "check_yarn_frequencies",
+    "small_k2", "train_bpe",
 ]
