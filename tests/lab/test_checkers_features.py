@@ -6,20 +6,9 @@ from __future__ import annotations
 import math
 
 import torch
+from learner import fails_with, passes
 
 from k2lab.lab import exercises as ex
-
-
-def passes(verdict: ex.Verdict) -> None:
-    assert isinstance(verdict, ex.Verdict)
-    assert verdict.ok and repr(verdict).startswith("✓"), verdict.message
-
-
-def fails_with(verdict: ex.Verdict, reason: str) -> None:
-    assert isinstance(verdict, ex.Verdict)
-    assert not verdict.ok and repr(verdict).startswith("✗"), verdict.message
-    assert reason in verdict.message, verdict.message
-
 
 # --- purity -------------------------------------------------------------------------------------------------------
 
