@@ -190,7 +190,7 @@ def prefilled(model: K2Model, device: torch.device, context: int) -> tuple:
 def compiled_decode(model: K2Model, cache, device: torch.device, decode) -> Callable[[], None]:
     """``decode`` with the blocks compiled whole (``fullgraph=True``); on CUDA captured as a CUDA graph over the
     cache's storage, which the step writes in place (every step sees the same context, so one graph replays)."""
-    for buffer in cache._buffers:
+    for buffer in cache.storage:
         torch._dynamo.mark_static_address(buffer)
     mode = "reduce-overhead" if device.type == "cuda" else None
     blocks = torch.compile(model.run_blocks, fullgraph=True, mode=mode)

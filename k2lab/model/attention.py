@@ -95,6 +95,12 @@ class LatentCache:
         return len(self._buffers)
 
     @property
+    def storage(self) -> list[torch.Tensor]:
+        """Each layer's whole reserved buffer [B, capacity, C + R], unwritten positions included: what a static
+        decode step (model/static_decode.py) writes in place and a CUDA graph replays over."""
+        return list(self._buffers)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the latents held for the cached positions (what a decode step must read)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()

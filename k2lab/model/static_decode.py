@@ -33,7 +33,7 @@ class StaticCache:
     and ``real`` [B, capacity] (which slots hold real tokens, not pads or unwritten slots) live on the device."""
 
     def __init__(self, model: K2Model, cache: LatentCache):
-        buffers = cache._buffers  # the storage new_cache(capacity=) reserved; written in place from now on
+        buffers = cache.storage  # the storage new_cache(capacity=) reserved; written in place from now on
         device = buffers[0].device
         if any(buf.device != device for buf in buffers) or model.device != device:
             raise ValueError(f"a static decode step runs on one device; this model and cache span "
