@@ -18,7 +18,8 @@ from tiktoken.load import load_tiktoken_bpe
 
 from benchmarks.timing import alternate
 from k2lab.lab import NANO_DIR
-from k2lab.tokenizer.tokenizer import KIMI_PATTERN, RANKS_FILE, load_tokenizer
+from k2lab.tokenizer import load_tokenizer
+from k2lab.tokenizer.tokenizer import KIMI_PATTERN, RANKS_FILE
 from k2lab.training import corpus
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .hf_config import config_to_hf, fields_from_hf, read_hf_json
+
 
 @dataclass(frozen=True)
 class K2Config:
@@ -223,18 +225,21 @@ class K2Config:
     # ---- HF interop (the translation lives in k2lab.hf_config) -----------------------------------------------
     @classmethod
     def from_hf(cls, source: str | Path | dict) -> K2Config:
-        """Read a HF ``config.json`` (a path to the file or its folder, or the parsed dict); see
-        ``k2lab.hf_config.config_from_hf`` for what is accepted and what is refused by name. The architecture
-        only: how the weights are stored (``quantization_config``) is ``k2lab.weights.reader.read_config``'s."""
-        from .hf_config import config_from_hf  # hf_config imports this module: import on use
+        """Read a HF ``config.json`` (a path to the file or its folder, or the parsed dict): Kimi's release layout
+        (``model_type: kimi_k2``, ``rope_scaling``), HF 5 (``rope_parameters``), DeepseekV3 and V2 configs; anything
+        k2lab does not implement, and any required key missing, is refused by name (``k2lab.hf_config``). The
+        architecture only: how the weights are stored (``quantization_config``) is ``k2lab.weights.read_config``'s."""
+        return cls.from_hf_dict(*read_hf_json(source))
 
-        return config_from_hf(source)
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], where: str = "config") -> K2Config:
+        """The architecture of a parsed config.json, ``where`` naming it in errors; see ``from_hf``."""
+        return cls(**fields_from_hf(raw, where, {f.name for f in dataclasses.fields(cls)}))
 
-    def to_hf(self) -> dict[str, Any]:
-        """This config as a HF DeepseekV3 ``config.json`` dict (HF 5 style, ``rope_parameters``)."""
-        from .hf_config import config_to_hf
-
-        return config_to_hf(self)
+    def to_hf(self, quantization_config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """This config as a HF DeepseekV3 ``config.json`` dict (HF 5 style, ``rope_parameters``), with a stored
+        format's ``quantization_config`` when given."""
+        return config_to_hf(self, quantization_config)
 
 
 def yarn_get_mscale(scale: float, mscale: float) -> float:

@@ -8,6 +8,9 @@ else k2lab does not implement are refused by name rather than approximated.
 The architecture only: a config's ``quantization_config`` says how the weights are stored, which
 ``k2lab.weights.reader.read_config`` reads beside the architecture (the stored formats live in ``k2lab.weights``,
 downstream of this module).
+
+It reads and writes plain dicts of ``K2Config``'s fields; ``K2Config.from_hf`` and ``to_hf`` call it, so that it
+imports nothing of k2lab.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import K2Config
+if TYPE_CHECKING:
+    from .config import K2Config
 
 # Keys of a HF config that describe the file, the training run or HF runtime switches, not the computation
 # k2lab performs. They are read and dropped. Everything not listed here or handled below is refused.
@@ -61,20 +65,13 @@ _ROPE_FIELDS = frozenset({"rope_type", "rope_factor", "original_max_position_emb
                           "mscale", "mscale_all_dim", "rope_theta"})
 
 
-def config_from_hf(source: str | Path | dict) -> K2Config:
-    """Read a HF ``config.json`` (a path to the file or its folder, or the parsed dict): the architecture.
-
-    Accepts Kimi's release (``model_type: kimi_k2``, ``rope_scaling``), HF 5 (``rope_parameters``) and DeepseekV3
-    configs. Raises ValueError naming any key or value k2lab does not implement (another scoring function, MTP
-    layers, another attention, ...) and any required key missing. The ``quantization_config`` is left to
-    ``k2lab.weights``: it says how weights are stored, not what the model computes.
-    """
-    return config_from_hf_dict(*read_hf_json(source))
-
-
-def config_from_hf_dict(raw: dict[str, Any], where: str = "config") -> K2Config:
-    """The architecture of a parsed config.json, ``where`` naming it in errors; see ``config_from_hf``."""
-    return K2Config(**_fields_from_hf(raw, where))
+def fields_from_hf(raw: dict[str, Any], where: str, field_names: set[str]) -> dict[str, Any]:
+    """A parsed config.json (``where`` naming it in errors) -> K2Config's keyword arguments (``field_names``). Accepts
+    Kimi's release (``model_type: kimi_k2``, ``rope_scaling``), HF 5 (``rope_parameters``) and DeepseekV3 configs.
+    Raises ValueError naming any key or value k2lab does not implement (another scoring function, MTP layers, another
+    attention, ...) and any required key missing. The ``quantization_config`` is left to ``k2lab.weights``: it says
+    how weights are stored, not what the model computes."""
+    return _fields_from_hf(raw, where, field_names)
 
 
 def read_hf_json(source: str | Path | dict) -> tuple[dict[str, Any], str]:
@@ -129,7 +126,7 @@ def _require(raw: dict, key: str, allowed: tuple, where: str, default: Any = Non
         raise ValueError(f"{where}: {key}={value!r} is not implemented by k2lab (supported: {list(allowed)})")
 
 
-def _fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
+def _fields_from_hf(raw: dict, where: str, names: set[str]) -> dict[str, Any]:
     """Translate and check a HF config dict into K2Config keyword arguments."""
     model_type = raw.get("model_type", "deepseek_v3")
     refused = _REFUSED_MODEL_TYPES.get(model_type) or next(
@@ -155,7 +152,6 @@ def _fields_from_hf(raw: dict, where: str) -> dict[str, Any]:
             "MLA expands every head from the shared latent"
         )
 
-    names = {f.name for f in dataclasses.fields(K2Config)}
     unknown = sorted(k for k in raw if k not in names and k not in _IGNORED_KEYS)
     if unknown:
         raise ValueError(f"{where}: k2lab does not implement the config key(s) {unknown}")

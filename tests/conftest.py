@@ -47,13 +47,13 @@ def no_grad():
 @pytest.fixture
 def hub_repo(tmp_path, monkeypatch):
     """A stand-in for the Hub, no network: ``hub_repo(folder)`` serves ``folder`` as the remote repo through
-    ``hf_hub_download`` (huggingface_hub's, and the name ``k2lab.weights.hub`` imported), which copies each file asked
+    ``hf_hub_download`` (huggingface_hub's, and the name ``k2lab.hub`` imported), which copies each file asked
     for into a snapshot folder holding only what was fetched (as the Hub cache does) and raises EntryNotFoundError for
     a file the repo lacks. Returns the list of file names asked for."""
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError
 
-    from k2lab.weights import hub
+    from k2lab import hub
 
     def serve(remote: Path) -> list[str]:
         snapshot = tmp_path / "snapshot"

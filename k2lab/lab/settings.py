@@ -36,7 +36,8 @@ import torch
 from ..analysis.accounting import count_parameters
 from ..config import K2Config
 from ..model.transformer import K2Model
-from ..tokenizer.tokenizer import K2Tokenizer, load_tokenizer
+from ..tokenizer.release import load_tokenizer
+from ..tokenizer.tokenizer import K2Tokenizer
 from ..weights.load import load, read_source_config
 from ..weights.placement import DeviceMap
 from .nano import NANO_DIR

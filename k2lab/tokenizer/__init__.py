@@ -2,7 +2,8 @@
 
 from .chat import render_chat
 from .ranks import TokenizerFileError, load_ranks, rank_bpe, recover_merges
-from .tokenizer import KIMI_PATTERN, K2Tokenizer, Token, load_tokenizer
+from .release import load_tokenizer
+from .tokenizer import KIMI_PATTERN, K2Tokenizer, Token
 
 __all__ = [
     "KIMI_PATTERN", "K2Tokenizer", "Token", "TokenizerFileError", "load_ranks", "load_tokenizer", "rank_bpe",

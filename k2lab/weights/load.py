@@ -3,7 +3,7 @@ matrices (FP8, INT4) dequantized at load or kept quantized; routed experts resid
 spread by a map.
 
 Each step can fail before the next begins, and nothing is returned until the last one succeeds:
-1. the source: a folder, or only the needed files from the Hub (hub.py);
+1. the source: a folder, or only the needed files from the Hub (download.py);
 2. config.json: the architecture, sliced to ``num_layers`` blocks, and the stored format (reader.read_config, quant/);
 3. every needed tensor checked from the headers (reader.py) and every block placed (placement.py);
 4. the model built on the meta device, with quantized-resident modules (the format's) and streamed experts
@@ -22,10 +22,11 @@ import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
 from tqdm.auto import tqdm
 
+from .. import hub
 from ..config import K2Config
 from ..model.moe import MoE
 from ..model.transformer import K2Model
-from . import hub
+from .download import download
 from .placement import DeviceMap, resolve_device_map, unit_of
 from .quant import UNQUANTIZED, QuantFormat
 from .reader import DTYPES, Checkpoint, CheckpointError, StoredWeight, is_mtp_tensor, read_config
@@ -77,7 +78,7 @@ def load(path_or_repo_id: str | Path, *, dtype: torch.dtype | None = None, revis
     cfg = slice_layers(full, num_layers)
     # A folder is read in place; from the Hub only the files the sliced config needs are fetched.
     folder = config.parent if Path(path_or_repo_id).expanduser().is_dir() else \
-        hub.download(path_or_repo_id, cfg, revision, progress)
+        download(path_or_repo_id, cfg, revision, progress)
     checkpoint = Checkpoint(folder)
     checkpoint.check_unexpected(full, fmt)
     weights = checkpoint.weights(cfg, fmt)
@@ -113,7 +114,7 @@ def _mtp_notes(checkpoint: Checkpoint, cfg: K2Config) -> list[str]:
 def _tokenizer_in(folder: Path):
     """The tokenizer shipped beside the weights (K2's tiktoken.model and tokenizer_config.json, or a
     tokenizer.json), or None."""
-    from ..tokenizer.tokenizer import load_tokenizer, release_layout
+    from ..tokenizer.release import load_tokenizer, release_layout
 
     return load_tokenizer(folder) if release_layout(folder) is not None else None
 

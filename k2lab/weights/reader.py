@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..config import K2Config
-from ..hf_config import config_from_hf_dict, read_hf_json
+from ..hf_config import read_hf_json
 from .quant import UNQUANTIZED, QuantFormat, Stored, format_from_quantization_config
 from .schema import TensorSpec, checkpoint_tensors
 
@@ -44,7 +44,7 @@ def read_config(source: str | Path | dict) -> tuple[K2Config, QuantFormat]:
     ``quantization_config`` announces (``UNQUANTIZED`` without one)."""
     raw, where = read_hf_json(source)
     fmt = format_from_quantization_config(raw.get("quantization_config"), where)
-    return config_from_hf_dict(raw, where), fmt
+    return K2Config.from_hf_dict(raw, where), fmt
 
 
 class CheckpointError(ValueError):

@@ -25,7 +25,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import K2Config
-from ..hf_config import config_to_hf
 from ..model.transformer import K2Model
 from .placement import unit_of
 from .quant import QuantFormat, resolve_format
@@ -175,7 +174,7 @@ def _replace_files(folder: Path, staging: Path) -> None:
 
 def _write_files(folder: Path, cfg: K2Config, source: TensorSource, *, num_shards: int, fmt: QuantFormat,
                  dtype: torch.dtype, extra: Mapping[str, torch.Tensor] | None, progress: bool) -> None:
-    (folder / "config.json").write_text(json.dumps(config_to_hf(cfg, fmt.quantization_config()), indent=2))
+    (folder / "config.json").write_text(json.dumps(cfg.to_hf(fmt.quantization_config()), indent=2))
 
     specs = checkpoint_tensors(cfg)
     units = list(dict.fromkeys(_shard_unit(s.name) for s in specs))  # embedding, each block, norm + head

@@ -12,8 +12,9 @@ from tiktoken.load import load_tiktoken_bpe
 
 import k2lab.tokenizer.tokenizer as tokenizer_module
 from k2lab.lab import NANO_DIR
+from k2lab.tokenizer import load_tokenizer
 from k2lab.tokenizer.ranks import TokenizerFileError
-from k2lab.tokenizer.tokenizer import KIMI_PATTERN, load_tokenizer
+from k2lab.tokenizer.tokenizer import KIMI_PATTERN
 
 
 @pytest.fixture(scope="module")

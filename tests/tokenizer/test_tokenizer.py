@@ -17,9 +17,10 @@ from tiktoken.load import load_tiktoken_bpe
 
 import k2lab.tokenizer.tokenizer as tokenizer_module
 from k2lab.lab import NANO_DIR
+from k2lab.tokenizer import load_tokenizer
 from k2lab.tokenizer.chat import render_chat
 from k2lab.tokenizer.ranks import TokenizerFileError, recover_merges
-from k2lab.tokenizer.tokenizer import KIMI_PATTERN, load_tokenizer, special_tokens_from_config
+from k2lab.tokenizer.tokenizer import KIMI_PATTERN, special_tokens_from_config
 from k2lab.training.corpus import documents
 
 SAMPLES = [

@@ -14,7 +14,7 @@ import torch
 import k2lab.training.train as train_module
 from k2lab import K2Config, K2Model
 from k2lab.lab.nano import NANO_DIR
-from k2lab.tokenizer.tokenizer import load_tokenizer
+from k2lab.tokenizer import load_tokenizer
 from k2lab.training.train import TrainConfig, train, train_config_from
 
 BAD_FIELDS = [("lr", -1.0), ("lr", 0.0), ("lr", float("nan")), ("steps", -5), ("steps", 0), ("steps", 2.5),

@@ -17,7 +17,8 @@ from release_layout import (
 )
 
 import k2lab
-from k2lab.weights import hub
+from k2lab import hub
+from k2lab.weights import download
 from k2lab.weights.load import slice_layers
 from k2lab.weights.reader import INDEX_FILE, CheckpointError
 
@@ -35,19 +36,19 @@ def _weight_map(folder):
 
 def test_allow_patterns_of_a_two_block_slice_name_only_its_shards(folder):
     # Shards: 1 = embedding + block 0, 2 = block 1, 3 = blocks 2-3, 4 = final norm + head.
-    patterns = hub.allow_patterns(slice_layers(TINY_FP8, 2), _weight_map(folder))
+    patterns = download.allow_patterns(slice_layers(TINY_FP8, 2), _weight_map(folder))
     shards = [p for p in patterns if p.endswith(".safetensors")]
     assert shards == ["model-1-of-4.safetensors", "model-2-of-4.safetensors", "model-4-of-4.safetensors"]
     assert {"config.json", INDEX_FILE, "tiktoken.model", "tokenizer_config.json"} <= set(patterns)
     assert not any(p.endswith(".py") for p in patterns)  # no remote code
-    assert "model-3-of-4.safetensors" in hub.allow_patterns(TINY_FP8, _weight_map(folder))
+    assert "model-3-of-4.safetensors" in download.allow_patterns(TINY_FP8, _weight_map(folder))
 
 
 def test_allow_patterns_names_a_tensor_missing_from_the_index(folder):
     weight_map = _weight_map(folder)
     del weight_map["model.layers.1.mlp.gate.weight"]
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.gate\.weight is not in"):
-        hub.allow_patterns(TINY_FP8, weight_map)
+        download.allow_patterns(TINY_FP8, weight_map)
 
 
 def test_repo_ids_and_paths():
@@ -106,7 +107,7 @@ def test_online_load_asks_for_exactly_the_needed_files(folder, tmp_path, monkeyp
         return str(snapshot)
 
     monkeypatch.setattr(hub, "hf_hub_download", fake_file)
-    monkeypatch.setattr(hub, "snapshot_download", fake_snapshot)
+    monkeypatch.setattr(download, "snapshot_download", fake_snapshot)
     model = k2lab.load(REPO, revision="main", num_layers=1, progress=False)
     assert len(model.layers) == 1
     assert [p for p in calls["patterns"] if p.endswith(".safetensors")] == ["model-1-of-4.safetensors",

@@ -1,9 +1,9 @@
 """Fetching a checkpoint from the Hugging Face Hub: only the files a load needs.
 
 K2's release is about 1 TB in 61 shards. A slice (``num_layers=4``) needs a handful of them, so we first fetch
-config.json and the shard index (small), work out which shards hold the slice's tensors, and hand exactly those
-names to ``snapshot_download`` as ``allow_patterns``, with the tokenizer files. Everything goes through the
-standard cache (``HF_HUB_CACHE`` / ``HF_HOME``): a second load reads the cached copy, and with
+config.json and the shard index (small), work out which shards hold the slice's tensors, and hand exactly those names to
+``snapshot_download`` as ``allow_patterns``, with the tokenizer files (``k2lab.hub`` fetches the small ones). Everything
+goes through the standard cache (``HF_HUB_CACHE`` / ``HF_HOME``): a second load reads the cached copy, and with
 ``HF_HUB_OFFLINE=1`` nothing is requested and the cache alone is used.
 """
 
@@ -13,11 +13,11 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from huggingface_hub import hf_hub_download, snapshot_download
-from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+from huggingface_hub import snapshot_download
 from tqdm.auto import tqdm
 
 from ..config import K2Config
+from ..hub import fetch_file
 from .reader import INDEX_FILE, SINGLE_FILE, CheckpointError, read_weight_map
 from .schema import checkpoint_tensors
 
@@ -25,25 +25,9 @@ from .schema import checkpoint_tensors
 # generation defaults. The repository's Python files are never fetched: k2lab runs no remote code.
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # A stored format's companions of tensor ``X.weight`` are named ``X.weight_<part>`` (FP8's ``weight_scale_inv``;
 # INT4's ``weight_packed``, ``weight_scale``, ``weight_shape``): the tensor an index entry belongs to.
 _COMPANION = re.compile(r"(.*\.weight)_\w+")
-
-
-def is_repo_id(name: str) -> bool:
-    """``moonshotai/Kimi-K2-Instruct`` is; ``./ckpt``, ``/data/k2`` and ``a/b/c`` are not."""
-    return bool(_REPO_ID.fullmatch(name)) and not name.startswith(".")
-
-
-def fetch_file(repo_id: str, filename: str, revision: str | None = None) -> Path | None:
-    """One file of a repo through the cache; None when the repo (at that revision) has no such file."""
-    try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision))
-    except LocalEntryNotFoundError:
-        raise  # offline and not cached: whether the repo has the file is unknown, so say so
-    except EntryNotFoundError:  # the Hub answered: no such file
-        return None
 
 
 def allow_patterns(cfg: K2Config, weight_map: Mapping[str, str] | None, source: str = INDEX_FILE) -> list[str]:
