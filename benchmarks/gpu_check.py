@@ -39,6 +39,7 @@ from torch import nn
 
 import k2lab
 from k2lab import K2Config, K2Model
+from k2lab.model.inputs import prepare_inputs
 from k2lab.model.layers import RMSNorm
 from k2lab.model.moe import RoutedExperts, Router
 from k2lab.model.transformer import DecoderLayer
@@ -158,18 +159,18 @@ def block_bytes(cfg: K2Config, fmt: FP8Format, layer: int) -> int:
 @torch.no_grad()
 def time_block(model: K2Model, device: torch.device, tokens: list[int], context: int) -> dict:
     """Seconds per forward of a one-block model's block at each token count (no cache), and per decode step over
-    ``context`` cached tokens, eager ("decode") and compiled ("compiled"), through ``run_blocks`` (which also makes
-    the rotary table and mask that a whole forward makes once for all its blocks). Also whether the eager decode step
-    ran without a host sync ("sync": "" or the error)."""
+    ``context`` cached tokens, eager ("decode") and compiled ("compiled"), through ``blocks`` (which also makes the
+    rotary rows and mask that a whole forward makes once for all its blocks). Also whether the eager decode step ran
+    without a host sync ("sync": "" or the error)."""
     width = model.config.hidden_size
     out = {}
     for T in tokens:
         x = torch.randn(1, T, width, dtype=torch.bfloat16, device=device)
-        out[T] = seconds(lambda x=x: model.run_blocks(x), device)
+        out[T] = seconds(lambda x=x: blocks(model, x), device)
     cache, step = prefilled(model, device, context)
 
-    def decode(blocks=model.run_blocks):  # cropped back after each step: every timed step sees the same context
-        blocks(step, cache=cache)
+    def decode(run=blocks):  # cropped back after each step: every timed step sees the same context
+        run(model, step, cache)
         cache.crop(context)
 
     out["decode"] = seconds(decode, device)
@@ -183,8 +184,15 @@ def prefilled(model: K2Model, device: torch.device, context: int) -> tuple:
     """A cache holding ``context`` random positions (storage for one more) and a decode step's input [1, 1, D]."""
     width = model.config.hidden_size
     cache = model.new_cache(1, capacity=context + 1)
-    model.run_blocks(torch.randn(1, context, width, dtype=torch.bfloat16, device=device), cache=cache)
+    blocks(model, torch.randn(1, context, width, dtype=torch.bfloat16, device=device), cache)
     return cache, torch.randn(1, 1, width, dtype=torch.bfloat16, device=device)
+
+
+def blocks(model: K2Model, x: torch.Tensor, cache=None) -> torch.Tensor:
+    """The residual x [B, T, D] through the model's blocks as a forward of T tokens runs them: its inputs (positions,
+    rotary rows, mask; ``prepare_inputs``) made for T tokens after the cache, then ``run_blocks``."""
+    inputs = prepare_inputs(model, torch.zeros(x.shape[:2], dtype=torch.long), cache=cache, device=x.device)
+    return model.run_blocks(x, inputs, cache)
 
 
 def compiled_decode(model: K2Model, cache, device: torch.device, decode) -> Callable[[], None]:
@@ -193,12 +201,12 @@ def compiled_decode(model: K2Model, cache, device: torch.device, decode) -> Call
     for buffer in cache.storage:
         torch._dynamo.mark_static_address(buffer)
     mode = "reduce-overhead" if device.type == "cuda" else None
-    blocks = torch.compile(model.run_blocks, fullgraph=True, mode=mode)
+    compiled = torch.compile(blocks, fullgraph=True, mode=mode)
 
     def step():
         if device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        decode(blocks)
+        decode(compiled)
 
     return step
 

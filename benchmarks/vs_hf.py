@@ -9,18 +9,16 @@ Both models hold the same random weights, in float32, on the CPU.
   "auto", which takes the naive path there), and each path forced, against HF's forward.
 - decode: one new token after ``--contexts`` cached tokens through each side's cache (k2lab's latent cache, HF's
   ``past_key_values``), cropped back after every step so that each timed step sees the same context. HF's step runs
-  under no_grad, as HF's generate runs it. k2lab's step three ways: the plain call ``model(token, cache=cache)``
-  under no_grad; the same call inside ``torch.inference_mode()``, as ``k2lab.generate`` runs it when nothing
-  observes the model; and the same call through ``torch.compile(model, dynamic=True)`` inside inference mode, as
+  under no_grad, as HF's generate runs it. k2lab's step two ways, under no_grad as ``k2lab.generate`` runs it: the
+  plain call ``model(token, cache=cache)``, and the same call through ``torch.compile(model, dynamic=True)``, as
   ``generate(compile=True)`` runs it (compiled at each thread count in an untimed round, its logits checked against
   the plain call's first).
 
 - rooms: what each speed room gains, the same call timed with the room switched off, as a ratio to the call with
   it: the fused attention kernel at prefill (off: a no-op hook on ``hook_pattern``, which makes the naive path write
-  its softmax out), and at decode the grouped experts (off: ``MoE.grouped = False``, the reference loop) and the
-  few-row thread split (off: ``layers.SPLIT_MAX_ROWS = 0``). Inference mode's gain is the plain call against the step
-  as generate runs it. And the grouped experts switched on at prefill (``MoE.grouped = True``), which a prefill's
-  default leaves off.
+  its softmax out), and at decode the grouped experts (off: ``MoE.experts_impl = "loop"``, the reference loop) and
+  the few-row thread split (off: ``Linear.speed = False`` on every product). And the grouped experts switched on at
+  prefill (``MoE.experts_impl = "grouped"``), which a prefill's default leaves off.
 
 Every contender is timed at each thread count within one process (``torch.set_num_threads``), the contenders and
 thread counts alternating round by round (``benchmarks.timing``) so that slow spells of a shared machine fall on all
@@ -45,7 +43,7 @@ import torch
 
 import k2lab
 from k2lab import K2Config
-from k2lab.model import layers
+from k2lab.model.layers import Linear
 from k2lab.model.moe import MoE
 
 from .timing import alternate_threads
@@ -70,8 +68,8 @@ PREFILL_TARGETS = {512: 1.15}  # prompt length -> HF / k2lab by median
 DECODE_TARGETS = {512: 1.9, 4096: 5.0}  # cached context -> HF / k2lab by median
 COMPILED_ATOL = 1e-4  # compiled against eager logits: float32 rounding of another order of the same sums
 # k2lab's decode contenders, in the order they are printed.
-PLAIN, GENERATE, COMPILED = "plain call (no_grad)", "as generate runs it (inference mode)", "compiled step"
-DECODE_STEPS = (PLAIN, GENERATE, COMPILED)
+PLAIN, COMPILED = "plain call", "compiled step"
+DECODE_STEPS = (PLAIN, COMPILED)
 # Each speed room switched off, timed beside the call it speeds up (the same call with the room): room -> call.
 FUSED_OFF, GROUPED_OFF, SPLIT_OFF = "fused attention off", "grouped experts off", "thread split off"
 GROUPED_ON = "grouped experts on"
@@ -80,25 +78,28 @@ ROOMS = {FUSED_OFF: "default call", GROUPED_OFF: PLAIN, SPLIT_OFF: PLAIN}
 
 @contextlib.contextmanager
 def experts_grouped(model: k2lab.K2Model, grouped: bool):
-    """Every MoE layer runs its experts grouped (model/dispatch.py) or through the reference loop."""
-    before = {moe: moe.grouped for moe in model.modules() if isinstance(moe, MoE)}
+    """Every MoE layer runs its experts grouped (model/speed/grouped_experts.py) or through the reference loop."""
+    before = {moe: moe.experts_impl for moe in model.modules() if isinstance(moe, MoE)}
     for moe in before:
-        moe.grouped = grouped
+        moe.experts_impl = "grouped" if grouped else "loop"
     try:
         yield
     finally:
         for moe, setting in before.items():
-            moe.grouped = setting
+            moe.experts_impl = setting
 
 
 @contextlib.contextmanager
-def no_thread_split():
-    """Every product through F.linear (model/linear.py switched off)."""
-    before, layers.SPLIT_MAX_ROWS = layers.SPLIT_MAX_ROWS, 0
+def no_thread_split(model: k2lab.K2Model):
+    """Every product of the model through F.linear (model/speed/linear.py switched off on each Linear)."""
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    for linear in linears:
+        linear.speed = False
     try:
         yield
     finally:
-        layers.SPLIT_MAX_ROWS = before
+        for linear in linears:
+            linear.speed = True
 
 
 def build_pair(cfg: K2Config):
@@ -138,7 +139,7 @@ def prefill_calls(ref, ours, ids: torch.Tensor) -> dict[str, Callable[[], torch.
 
 def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[str, Callable[[], torch.Tensor]]:
     """One decode step after ``context`` random cached tokens, each returning its logits [1, 1, V] and leaving its
-    cache as it found it: HF's, and k2lab's three ways (``DECODE_STEPS``), each with a cache of its own. The compiled
+    cache as it found it: HF's, and k2lab's two ways (``DECODE_STEPS``), each with a cache of its own. The compiled
     model compiles on its first call at each thread count."""
     vocab = ours.config.vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=generator)
@@ -161,10 +162,10 @@ def decode_steps(ref, ours, context: int, generator: torch.Generator) -> dict[st
             return logits
         return step
 
-    return {"hf": hf_step, PLAIN: our_step(ours, torch.no_grad), GENERATE: our_step(ours, torch.inference_mode),
-            COMPILED: our_step(torch.compile(ours, dynamic=True), torch.inference_mode),
+    return {"hf": hf_step, PLAIN: our_step(ours, torch.no_grad),
+            COMPILED: our_step(torch.compile(ours, dynamic=True), torch.no_grad),
             GROUPED_OFF: our_step(ours, torch.no_grad, lambda: experts_grouped(ours, False)),
-            SPLIT_OFF: our_step(ours, torch.no_grad, no_thread_split)}
+            SPLIT_OFF: our_step(ours, torch.no_grad, lambda: no_thread_split(ours))}
 
 
 def check_compiled(steps: dict[str, Callable[[], torch.Tensor]], threads: list[int]) -> None:
@@ -257,8 +258,6 @@ def main() -> None:
                                                          for n in threads)))
     gains.append((GROUPED_ON, f"prefill {args.prefill}",
                   *(spread(round_ratios(prefill, GROUPED_ON, n, "default call")) for n in threads)))
-    gains.append(("inference mode off", f"decode at {args.contexts[0]}",
-                  *(spread(round_ratios(decode[args.contexts[0]], GENERATE, n, PLAIN)) for n in threads)))
     for room in (GROUPED_OFF, SPLIT_OFF):
         gains += [(room, f"decode at {context}", *(spread(round_ratios(t, ROOMS[room], n, room)) for n in threads))
                   for context, t in decode.items()]

@@ -15,15 +15,10 @@ The package's rooms, in the direction data flows:
 """
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from .config import K2Config
-
-try:
-    __version__ = version("k2lab")
-except PackageNotFoundError:  # a source tree on sys.path without an install
-    __version__ = "0.0.0+unknown"
+from .version import __version__
 
 # The public names, each imported from its room on first use, so that ``import k2lab.model`` runs no checkpoint,
 # tokenizer or analysis code, and ``import k2lab`` stays quick. name -> (module, attribute or None for the module).

@@ -10,6 +10,7 @@ import torch
 from hf_oracle import randomize
 
 from k2lab import K2Config, K2Model
+from k2lab.model.moe import MoE, RoutedExperts
 
 # Three blocks (one dense, two MoE), 4 heads, 16 routed experts of which 4 are chosen, one group.
 TINY = K2Config.mini().replace(vocab_size=512, num_hidden_layers=3)
@@ -31,14 +32,26 @@ def random_model(cfg: K2Config = TINY, seed: int = 0) -> K2Model:
     return model
 
 
+class UnstackedExperts(RoutedExperts):
+    """Stacked experts that offer the speed rooms no stacks (``stacks`` None), so that they run one at a time, each
+    expert's products from ``expert_linears``, as streamed and quantized experts run."""
+
+    stacks = None
+
+    @classmethod
+    def of(cls, experts: RoutedExperts, cfg: K2Config) -> UnstackedExperts:
+        unstacked = cls(cfg)
+        unstacked.load_state_dict(experts.state_dict())
+        return unstacked
+
+
 def experts_one_at_a_time(model: K2Model) -> K2Model:
     """The model with its routed experts run one at a time, as streamed and quantized experts always run: the same
     products on the same weights, so their outputs are compared bit for bit (in pairs, the batched products round
     differently)."""
     for layer in model.layers:
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is not None:
-            experts.stacked = False
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.experts = UnstackedExperts.of(layer.mlp.experts, model.config)
     return model
 
 
@@ -57,16 +70,16 @@ def micro_model(seed: int = 0) -> K2Model:
 
 def blocks_modes(call: Callable[[], object]) -> tuple[object, list[bool]]:
     """call()'s result, and for each forward it made whether the model's blocks ran in inference mode (read where every
-    forward builds its rotary table and mask, once, inside the mode its blocks run in)."""
+    forward runs its blocks, once)."""
     seen = []
-    rotary_and_mask = K2Model.rotary_and_mask
+    run_blocks = K2Model.run_blocks
 
     def spy(*args, **kwargs):
         seen.append(torch.is_inference_mode_enabled())
-        return rotary_and_mask(*args, **kwargs)
+        return run_blocks(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(K2Model, "rotary_and_mask", spy)
+        patch.setattr(K2Model, "run_blocks", spy)
         return call(), seen
 
 

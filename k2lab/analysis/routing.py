@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from ..config import K2Config
+from ..model.inputs import prepare_inputs
 from ..model.moe import allowed_experts, group_best  # noqa: F401 - the router's own rule, re-exported
 from ..model.transformer import K2Model
 from .datasets import batches
@@ -229,7 +230,8 @@ def trace(model: K2Model, input_ids: torch.Tensor, **forward_kwargs) -> RoutingT
     wanted = lambda name: ".mlp.gate." in name and name.endswith(_GATE_PROBES)
     mask = forward_kwargs.pop("attention_mask", None)
     if isinstance(model, K2Model):  # text is tokenized, or the pads of ids found, as the model would: keep that mask
-        input_ids, mask = model.check_input(input_ids, mask)
+        inputs = prepare_inputs(model, input_ids, mask)
+        input_ids, mask = inputs.ids, inputs.mask
     if mask is not None:
         forward_kwargs["attention_mask"] = mask
     _, cache = model.run_with_cache(input_ids, names=wanted, **forward_kwargs)

@@ -42,7 +42,8 @@ from ..model.activation_cache import ActivationCache
 from ..model.attention import ATTN_IMPLS, AttnImpl, LatentCache
 from ..model.generate import generate
 from ..model.hooks import HookPoint, Hooks, NameFilter, one_selector
-from ..model.transformer import K2Model, check_attention_mask
+from ..model.inputs import Inputs, prepare_inputs
+from ..model.transformer import K2Model
 from ..weights.load import load, read_source_config
 from ..weights.placement import Plan, describe_units, device_capacity, plan, unit_keys, unit_of
 from ..weights.quant import UNQUANTIZED
@@ -193,27 +194,24 @@ class PipelinedK2:
         """input_ids [B, T] -> float32 logits [B, T, V] on every rank, with ``K2Model.forward``'s semantics: a
         ``cache`` from ``pm.new_cache`` continues from its length; ``attention_mask`` [B, T] (1 = token, 0 = pad)
         hides the pads and gives them no position."""
-        ids, _ = self.model.check_input(input_ids, None, cache, attn_impl)  # the same checks on every rank
-        mask = check_attention_mask(attention_mask, *ids.shape) if attention_mask is not None else None
-        logits = self._stage_forward(ids, mask, cache, attn_impl)  # the last rank's only
+        inputs = prepare_inputs(self.model, input_ids, attention_mask, cache, attn_impl, self.device)  # every rank
+        logits = self._stage_forward(inputs, cache)  # the last rank's only
         if not self.is_last:
-            logits = torch.empty(*ids.shape, self.config.vocab_size, dtype=torch.float32, device=self.device)
+            logits = torch.empty(*inputs.ids.shape, self.config.vocab_size, dtype=torch.float32, device=self.device)
         self._broadcast(logits, src=self.last)
         return logits
 
-    def _stage_forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: LatentCache | None,
-                       attn_impl: AttnImpl) -> torch.Tensor | None:
-        """This rank's part of one forward of checked ids [B, T] (read on rank 0 only, their shape elsewhere):
-        the logits [B, T, V] on the last rank, None elsewhere. Every rank builds the rotary table and the mask from
-        ``attention_mask`` [B, T] bool and its own cache, as ``K2Model`` does."""
-        m, (B, T) = self.model, ids.shape
+    def _stage_forward(self, inputs: Inputs, cache: LatentCache | None) -> torch.Tensor | None:
+        """This rank's part of one forward of ``inputs`` (``prepare_inputs`` on this rank, with its own cache; the ids
+        are read on rank 0 only, their shape elsewhere): the logits [B, T, V] on the last rank, None elsewhere."""
+        m, (B, T) = self.model, inputs.ids.shape
         if self.rank == 0:
-            x = m.embed(ids.to(self.device))  # [B, T, D]
+            x = m.embed(inputs.ids)  # [B, T, D]
         else:
             x = torch.empty(B, T, self.config.hidden_size, dtype=self.dtype, device=self.device)
             dist.recv(x, src=self.rank - 1)  # the residual after the previous stage's blocks
         if self.blocks:  # the model's own steps, over this stage's blocks; the last stage's advance the cache
-            x = m.run_blocks(x, attention_mask, cache, attn_impl, start=self.blocks[0], stop=self.blocks[-1] + 1)
+            x = m.run_blocks(x, inputs, cache, start=self.blocks[0], stop=self.blocks[-1] + 1)
         if cache is not None and (not self.blocks or self.blocks[-1] + 1 < len(m.layers)):
             cache.advance(T)
         if not self.is_last:
@@ -336,7 +334,8 @@ class PipelinedK2:
                 mask = torch.empty(B, T, dtype=torch.uint8, device=self.device)
                 self._broadcast(mask, src=self.last)
             cache = cache if cache is not None else self.new_cache(B)
-            self._stage_forward(ids, None if mask is None else mask.bool(), cache, _ATTN_IMPLS[impl])
+            mask = None if mask is None else mask.bool()
+            self._stage_forward(prepare_inputs(self.model, ids, mask, cache, _ATTN_IMPLS[impl], self.device), cache)
 
     # ---- communication -----------------------------------------------------------------------------------------------
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
@@ -391,8 +390,7 @@ class _LastStage:
 
     def __call__(self, ids: torch.Tensor, cache: LatentCache, attn_impl: AttnImpl = "auto", *,
                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        self.pm.model.check_input(ids, None, cache, attn_impl)  # a bad step fails here, before the others hear of it
-        ids = torch.as_tensor(ids)
-        mask = check_attention_mask(attention_mask, *ids.shape) if attention_mask is not None else None
-        self.pm._tell(_STEP, ids, attn_impl, mask)
-        return self.pm._stage_forward(ids, mask, cache, attn_impl)
+        # A bad step fails here, before the others hear of it.
+        inputs = prepare_inputs(self.pm.model, ids, attention_mask, cache, attn_impl, self.device)
+        self.pm._tell(_STEP, inputs.ids, attn_impl, inputs.mask)
+        return self.pm._stage_forward(inputs, cache)

@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .. import __version__
 from ..config import K2Config
+from ..version import __version__
 from .hooks import MODEL_PROBES, canonical_probe_name, get_act_name
 
 if TYPE_CHECKING:

@@ -15,7 +15,8 @@ Both give the same scores, pattern and per-head output z (hook_z) to float32 rou
 - auto (the default): whichever of the two is faster for the call's shape (see ``choose_attn_impl``).
 
 The naive path states attention as the maths does, softmax(q k^T * scale + mask) v, whenever a probe reads the
-scores or the pattern; otherwise it hands q, k and v to PyTorch's fused kernel (speed room ``fused_attention.py``).
+scores or the pattern, or the speed rooms are off (``K2Model.speed``); otherwise it hands q, k and v to PyTorch's fused
+kernel (speed room ``speed/fused_attention.py``).
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import K2Config
-from .fused_attention import fused_attention, max_logit
-from .hooks import HookPoint
-from .layers import Linear, RMSNorm
+from .layers import HookPoint, Linear, RMSNorm
+from .speed.fused_attention import fused_attention, max_logit
 
 AttnImpl = Literal["auto", "naive", "absorbed"]
 ATTN_IMPLS = ("auto", "naive", "absorbed")
@@ -82,6 +82,7 @@ class LatentCache:
         self.max_positions = cfg.max_position_embeddings
         self.length = 0  # positions already cached; new tokens continue from here
         self.token_mask: torch.Tensor | None = None  # [B, >= length] bool: real tokens (not pads); None: all real
+        self.num_layers = num_layers
         self._buffers: list[torch.Tensor] = [self._storage(min(capacity, self.max_positions), d) for d in devices]
 
     def _storage(self, positions: int, device: torch.device | str) -> torch.Tensor:
@@ -91,13 +92,9 @@ class LatentCache:
             return torch.empty(self.batch_size, positions, self.width, dtype=self.dtype, device=device)
 
     @property
-    def num_layers(self) -> int:
-        return len(self._buffers)
-
-    @property
     def storage(self) -> list[torch.Tensor]:
         """Each layer's whole reserved buffer [B, capacity, C + R], unwritten positions included: what a static
-        decode step (model/static_decode.py) writes in place and a CUDA graph replays over."""
+        decode step (model/speed/static_decode.py) writes in place and a CUDA graph replays over."""
         return list(self._buffers)
 
     @property
@@ -166,6 +163,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
 class MultiHeadLatentAttention(nn.Module):
     """MLA as released. Module and parameter names mirror the checkpoint (``self_attn.q_a_proj`` ...)."""
 
+    speed = True  # K2Model.speed: False writes the naive path's softmax out, as a probe on the scores does
+
     def __init__(self, cfg: K2Config):
         super().__init__()
         self.num_heads, self.nope_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim
@@ -204,7 +203,7 @@ class MultiHeadLatentAttention(nn.Module):
                 layer: int = 0, attn_impl: AttnImpl = "auto", attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. cos/sin [T, R], or [B, T, R] when positions differ per row (padding).
         ``attn_mask`` [B, 1, T, S] bool, True where a query may see a key; None: plain causal, over T == S positions
-        or for one query (``K2Model.rotary_and_mask`` makes it)."""
+        or for one query (``inputs.prepare_inputs`` makes it)."""
         B, T, _ = x.shape
         impl = choose_attn_impl(attn_impl, T, cache.length if cache is not None else 0, self.kv_lora_rank)
         if self.q_lora_rank is None:
@@ -252,13 +251,13 @@ class MultiHeadLatentAttention(nn.Module):
         k_pe = k_pe[:, :, None].expand(B, S, H, self.rope_dim)  # the one rotary key, seen by every head
         k = torch.cat((k_nope, k_pe), dim=-1).transpose(1, 2)  # [B, H, S, N+R]
         v = v.transpose(1, 2)  # [B, H, S, V]
-        if self.hook_attn_scores.active or self.hook_pattern.active:  # the maths, written out for the probes
+        if not self.speed or self.hook_attn_scores.active or self.hook_pattern.active:  # the maths, written out
             pattern = self.pattern(q @ k.transpose(-1, -2) * self.softmax_scale, attn_mask, q.dtype)  # [B, H, T, S]
             return (pattern @ v).transpose(1, 2)  # [B, T, H, V]
         if self.hook_max_logit.active:
             mask = attn_mask if attn_mask is not None else causal_mask(T, S, q.device)
             self.hook_max_logit(max_logit(q, k, self.softmax_scale, mask))  # [B, H]
-        return fused_attention(q, k, v, self.softmax_scale, attn_mask)  # [B, T, H, V] (model/fused_attention.py)
+        return fused_attention(q, k, v, self.softmax_scale, attn_mask)  # [B, T, H, V] (speed/fused_attention.py)
 
     def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
                  attn_mask: torch.Tensor | None) -> torch.Tensor:

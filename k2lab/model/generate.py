@@ -8,9 +8,9 @@ import warnings
 import torch
 
 from .attention import AttnImpl
-from .compiled_decode import compiled_decode_step, eager_reason
-from .hooks import HookedModule
-from .transformer import K2Model, Tokenizer, check_attention_mask, is_text
+from .inputs import check_attention_mask, is_text
+from .speed.compiled_decode import compiled_decode_step, eager_reason
+from .transformer import K2Model, Tokenizer
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -93,20 +93,18 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     last prompt token is dropped and the first new token is chosen among those whose bytes start with its
     bytes. The result is then [B, T - 1 + n], and its text still starts with the prompt's.
 
-    The forward passes run in ``torch.inference_mode`` (faster on the CPU; model/inference.py) unless code other than
-    k2lab's and PyTorch's could see the model's tensors, such as a hook on a probe or module, or a module of another
-    class spliced in (``model.is_observed()``); then under ``torch.no_grad``, so that what such code keeps stays
-    ordinary tensors that autograd can use later. The result is an ordinary tensor either way.
+    The forward passes run under ``torch.no_grad``.
 
-    ``compile=True`` runs the decode steps through ``torch.compile`` with ``fullgraph=True`` (the prefill stays
-    eager; model/compiled_decode.py): the whole step is one graph whose small ops inductor fuses into a few kernels,
-    and whose experts, stacked or held quantized (FP8, INT4), are read by index inside them (model/indexed.py). On
-    one CUDA device the step runs over a static cache and is captured as a CUDA graph (``mode="reduce-overhead"``).
+    ``compile=True`` runs the decode steps through ``torch.compile`` with ``fullgraph=True`` (the prefill stays eager;
+    model/speed/compiled_decode.py): the whole step is one graph whose small ops inductor fuses into a few kernels, and
+    whose experts, stacked or held quantized (FP8, INT4), are read by index inside them
+    (model/speed/indexed_experts.py). On one CUDA device the step runs over a static cache and is captured as a CUDA
+    graph (``mode="reduce-overhead"``).
     The first step compiles (tens of seconds on a CPU, again for each new thread count); after that a step of the
     benchmark model takes about half the eager one on a 2-core CPU (docs/speed.md). The tokens equal eager
     generation's up to float32 rounding of near-ties. Hooks cannot run inside a compiled graph, so a model with
-    anything attached (``model.is_observed()``), or with streamed experts, generates eagerly, after a warning that
-    says why. Needs a C++ compiler on the CPU, as ``torch.compile`` does.
+    anything attached (``model.is_observed()``), with streamed experts, or with its speed rooms off (``model.speed``)
+    generates eagerly, after a warning that says why. Needs a C++ compiler on the CPU, as ``torch.compile`` does.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     if not isinstance(compile, bool):
@@ -147,16 +145,14 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
 
-    observed = not isinstance(model, HookedModule) or model.is_observed()
-    reason = eager_reason(model, observed) if compile else None  # model/compiled_decode.py
+    reason = eager_reason(model) if compile else None  # speed/compiled_decode.py
     if reason is not None:
         # stacklevel 3: past torch.no_grad's wrapper, at the caller
         warnings.warn(f"generate(compile=True) runs eagerly: {reason}", UserWarning, stacklevel=3)
         compile = False
-    with torch.no_grad() if observed else torch.inference_mode():  # model/inference.py
-        out = _decode(model, ids, mask, allowed, max_new_tokens, temperature, top_k, top_p, generator, eos,
-                      attn_impl, compile)
-    result = torch.cat(out, dim=1)  # [B, T + n], an ordinary tensor whichever mode made its parts
+    out = _decode(model, ids, mask, allowed, max_new_tokens, temperature, top_k, top_p, generator, eos, attn_impl,
+                  compile)
+    result = torch.cat(out, dim=1)  # [B, T + n]
     if text is None:
         return result
     texts = []
@@ -188,7 +184,7 @@ def _decode(model: K2Model, ids: torch.Tensor, mask: torch.Tensor | None, allowe
         if i == 0 or not compile:  # the prefill runs eager: its products are large, its shapes vary
             logits = model(step_input, cache=cache, attn_impl=attn_impl, attention_mask=step_mask)  # [B, T', V]
         else:
-            step = step or compiled_decode_step(model, cache, attn_impl)  # model/compiled_decode.py
+            step = step or compiled_decode_step(model, cache, attn_impl)  # speed/compiled_decode.py
             logits = step(step_input)  # [B, 1, V]
         logits = logits[torch.arange(B, device=ids.device), last]  # [B, V]
         if allowed is not None:

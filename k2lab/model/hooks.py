@@ -30,17 +30,13 @@ import difflib
 import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from torch import nn
 
-from .inference import forward_wrapper_runs, is_observed
+from .layers import HookFn, HookPoint
 
-if TYPE_CHECKING:  # activation_cache.py imports this module
-    from .activation_cache import ActivationCache
-
-HookFn = Callable[[torch.Tensor, "HookPoint"], torch.Tensor | None]
 Selector = str | Callable[[str], bool]
 NameFilter = Selector | Iterable[Selector] | None  # see HookedModule.select_hook_names
 Hooks = Iterable[tuple[NameFilter, HookFn]]  # (selector, fn) pairs
@@ -127,73 +123,6 @@ def hook_triples(fwd_hooks: Hooks, bwd_hooks: Hooks) -> list[tuple[NameFilter, H
     return triples
 
 
-class HookPoint(nn.Module):
-    """Identity on the forward path. Attached functions may read the tensor (or its gradient) or replace it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.name = ""  # set by the model from the module path
-        self.fns: list[HookFn] = []  # forward hooks: fn(tensor, hook)
-        self.bwd_fns: list[HookFn] = []  # backward hooks: fn(grad, hook), run while the gradient passes
-        self.index_bound: int | None = None  # for probes of indices (hook_topk_idx): replacements lie in 0..bound-1
-        # For probes the forward computes only to be read (hook_max_logit): the leaf name of the probe beside it to
-        # hook instead. A replacement would change nothing downstream, so returning one raises.
-        self.read_only: str | None = None
-
-    @property
-    def active(self) -> bool:
-        """True when something may read this probe or its gradient: a k2lab hook (forward or backward), a PyTorch
-        forward (pre-)hook, or a wrapper that took over ``forward`` while it runs (an nnsight trace, which cannot say
-        ahead which probes it will read). The caller then materialises what the probe shows (attention patterns
-        leave the fused kernel, which makes none, so that a gradient hook on them has a tensor to run on)."""
-        if self.fns or self.bwd_fns or self._forward_hooks or self._forward_pre_hooks:
-            return True
-        return "forward" in self.__dict__ and forward_wrapper_runs(self)  # checked inline: a plain probe calls nothing
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for fn in tuple(self.fns):  # a copy: a hook may detach hooks (reset_hooks) while they run
-            try:
-                out = fn(x, self)
-            except Exception as err:
-                err.add_note(f"raised by a hook on {self.name}")
-                raise
-            if out is not None:
-                x = self._checked(out, x, "hook")
-        if self.bwd_fns and x.requires_grad:
-            x.register_hook(self._backward)
-        return x
-
-    def _backward(self, grad: torch.Tensor) -> torch.Tensor:
-        """Run the backward hooks attached when the gradient arrives (none once their ``hooks`` block has exited)."""
-        for fn in tuple(self.bwd_fns):
-            out = fn(grad, self)
-            if out is not None:
-                grad = self._checked(out, grad, "backward hook")
-        return grad
-
-    def _checked(self, out: object, x: torch.Tensor, kind: str) -> torch.Tensor:
-        """A replacement must be a tensor like the one it replaces (shape, dtype, device), of a probe whose value the
-        forward uses; indices must be in range."""
-        if self.read_only is not None:
-            instead = self.name[: len(self.name) - len(self.name.rpartition(".")[2])] + self.read_only
-            raise ValueError(f"{kind} on {self.name} returned a replacement, but {self.name} is read-only: the forward "
-                             f"computes it only to be read and never uses it, so a replacement would change nothing. "
-                             f"Return None to read it; to change the computation, hook {instead} instead")
-        if not isinstance(out, torch.Tensor):
-            raise ValueError(f"{kind} on {self.name} returned {type(out).__name__}; expected a tensor "
-                             f"{tuple(x.shape)} {x.dtype} (or None to keep it)")
-        if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
-            raise ValueError(f"{kind} on {self.name} returned {tuple(out.shape)} {out.dtype} on {out.device}; "
-                             f"expected {tuple(x.shape)} {x.dtype} on {x.device} (cast with .to(tensor))")
-        if self.index_bound is not None and out.numel() and (out.min() < 0 or out.max() >= self.index_bound):
-            bad = out[(out < 0) | (out >= self.index_bound)][0].item()
-            raise ValueError(f"{kind} on {self.name} returned index {bad}; valid: 0..{self.index_bound - 1}")
-        return out
-
-    def extra_repr(self) -> str:
-        return self.name
-
-
 class HookedModule(nn.Module):
     """Mixin for the root model: names every HookPoint by its path and attaches hooks by selector."""
 
@@ -203,9 +132,21 @@ class HookedModule(nn.Module):
             point.name = name
 
     def is_observed(self) -> bool:
-        """True when code other than k2lab's and PyTorch's may see the forward's tensors (a hook, a wrapper, a spliced
-        module): then ``k2lab.generate`` runs under no_grad rather than in inference mode (model/inference.py)."""
-        return is_observed(self)
+        """True when code other than k2lab's and PyTorch's may see the forward's tensors, which a compiled graph would
+        not run (``generate(compile=True)`` then runs eagerly): a function on a probe, a PyTorch forward hook on a
+        module or on every module, a wrapper in place of a module's ``forward`` (nnsight's, from ``NNsight(model)`` on),
+        or a module of any other class spliced into the model. One walk over the module tree."""
+        registries = torch.nn.modules.module  # hooks registered for every module (register_module_forward_hook)
+        if getattr(registries, "_global_forward_hooks", None) or getattr(registries, "_global_forward_pre_hooks", None):
+            return True
+        for module in self.modules():
+            if isinstance(module, HookPoint):
+                if module.active:
+                    return True
+            elif (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+                  or not type(module).__module__.startswith(("k2lab.", "torch."))):
+                return True
+        return False
 
     def hook_names(self) -> list[str]:
         """Every probe, layer by layer in module order (a cache from run_with_cache is in firing order)."""
@@ -318,9 +259,10 @@ class HookedModule(nn.Module):
                        device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
                        names_filter: NameFilter = None, incl_bwd: bool = False,
                        metric: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                       **forward_kwargs) -> tuple[torch.Tensor, ActivationCache]:
+                       **forward_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward once and record the probes selected by ``names`` (or ``names_filter``, the same) ->
-        ``(output, cache)``, ``output`` what ``model(input_ids, **forward_kwargs)`` returns.
+        ``(output, record)``, ``output`` what ``model(input_ids, **forward_kwargs)`` returns and ``record`` {probe name:
+        tensor} in firing order (``K2Model.run_with_cache`` wraps it in an ``ActivationCache``).
 
         ``names``: None (every probe), an exact name, a substring (``"hook_resid_post"``), a predicate, or a list.
         Tensors are stored detached (the forward still builds its graph if grad is on), moved to ``device`` and, if
@@ -337,8 +279,6 @@ class HookedModule(nn.Module):
         names = one_selector(names, names_filter)
         if metric is not None and not incl_bwd:
             raise ValueError("metric= names what incl_bwd=True differentiates; without incl_bwd there is no gradient")
-        from .activation_cache import ActivationCache  # it imports this module
-
         selected = self.select_hook_names(names)
         store: dict[str, torch.Tensor] = {}
         live: dict[str, torch.Tensor] = {}  # with incl_bwd: the activations themselves, to differentiate against
@@ -371,4 +311,4 @@ class HookedModule(nn.Module):
                 for name, grad in zip(list(live), grads, strict=True):
                     if grad is not None:
                         store[name + "_grad"] = stored(grad)
-        return output, ActivationCache(store, self)
+        return output, store

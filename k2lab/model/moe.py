@@ -7,15 +7,18 @@ Shapes: B batch, T positions, D width, E routed experts, k experts per token, I 
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Callable
+from functools import partial
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import K2Config
-from .dispatch import DECODE_BATCH, grouped_experts
-from .hooks import HookPoint
-from .indexed import indexable, indexed_experts
-from .layers import SwiGLU
+from .layers import HookPoint, SwiGLU
+from .speed.grouped_experts import grouped_experts_impl, run_experts
 
 # The router's correction bias is held (and stored, and read) in float32 whatever dtype the rest of the model uses:
 # its steps are ~1e-3, and bfloat16 rounding would change which experts are chosen.
@@ -105,13 +108,44 @@ class Router(nn.Module):
         return idx, self.hook_topk_weights(weights * self.scaling)
 
 
-class RoutedExperts(nn.Module):
-    """E SwiGLU experts stored stacked: gate_proj/up_proj [E, I, D], down_proj [E, D, I]. Only storage: ``MoE``
-    runs them. ``expert_weights`` is the seam where streamed or quantized experts plug in (``k2lab.weights``)."""
+class Experts(nn.Module, abc.ABC):
+    """What ``MoE`` and the speed rooms ask of a layer's E routed SwiGLU experts, however they are held: stacked here
+    (``RoutedExperts``), quantized (FP8, INT4: ``k2lab.weights.quant``) or streamed from files
+    (``k2lab.weights.streaming``).
 
-    # Whether the experts' matrices are slices of stacks held here, which the speed rooms read in place (two experts
-    # as one strided view, or by index). Streamed and quantized experts make each expert's matrices as it runs.
-    stacked = True
+    - ``expert_weights(e)``: expert e's matrices (gate [I, D], up [I, D], down [D, I]), what the reference loop reads;
+    - ``expert_linears(e)``: its three products h -> h @ W^T (an FP8 expert multiplies as stored where it can);
+    - ``stacks``: the [E, ...] stacks (gate, up, down) when they are held as plain tensors the speed rooms can view in
+      place, else None;
+    - ``indexable`` and ``chosen_weights(idx)``: whether the matrices of the experts a routing tensor names can be
+      gathered by that tensor itself (no expert id read back to Python), and the gathered matrices.
+    """
+
+    num_experts: int
+    indexable: bool = True
+
+    @abc.abstractmethod
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I, D], up [I, D], down [D, I]) of expert ``expert``."""
+
+    def expert_linears(self, expert: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+        """The products h [n, in] -> h @ W^T of expert ``expert``'s gate, up and down."""
+        return tuple(partial(F.linear, weight=weight) for weight in self.expert_weights(expert))
+
+    @property
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(gate [E, I, D], up [E, I, D], down [E, D, I]) held as plain tensors, or None."""
+        return None
+
+    def chosen_weights(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The matrices of the experts ``idx`` [...] names, gathered by ``idx`` itself: (gate [..., I, D],
+        up [..., I, D], down [..., D, I]). Only where ``indexable``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot gather its experts by index (indexable is False)")
+
+
+class RoutedExperts(Experts):
+    """E SwiGLU experts stored stacked: gate_proj/up_proj [E, I, D], down_proj [E, D, I]. Only storage: ``MoE``
+    runs them."""
 
     def __init__(self, cfg: K2Config):
         super().__init__()
@@ -125,16 +159,55 @@ class RoutedExperts(nn.Module):
         """(gate [I, D], up [I, D], down [D, I]) of one expert."""
         return self.gate_proj[expert], self.up_proj[expert], self.down_proj[expert]
 
+    @property
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.gate_proj, self.up_proj, self.down_proj
+
+    def chosen_weights(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.gate_proj[idx], self.up_proj[idx], self.down_proj[idx]
+
+
+ExpertsImpl = Literal["auto", "loop", "grouped"]
+EXPERTS_IMPLS = ("auto", "loop", "grouped")
+# A decode step (one new token per sequence) of at most this many sequences runs grouped by default: its experts'
+# products have few rows.
+DECODE_BATCH = 16
+
+
+def choose_experts(setting: ExpertsImpl, experts: Experts, x: torch.Tensor, idx: torch.Tensor, speed: bool = True
+                   ) -> str:
+    """How the chosen experts run for this call -> one name: "loop" (the reference, ``MoE.forward``), "shapes" (on the
+    meta device: the output's shape only), or a speed room of speed/grouped_experts.py: "indexed", "sorted",
+    "paired". ``setting`` is ``MoE.experts_impl``; ``speed`` is ``K2Model.speed``. The rule, in order:
+
+    1. the meta device has no values to choose by: "shapes";
+    2. the speed rooms off, or ``setting == "loop"``: "loop";
+    3. inside a compiled graph with at most one (token, slot) pair per expert (a compiled decode step), experts that
+       can be gathered by index: "indexed" (nothing read back to Python, which a graph cannot do);
+    4. ``setting == "grouped"`` (training: one gradient pass per stack), a decode step (one new token per sequence,
+       at most ``DECODE_BATCH`` sequences) or any device but the CPU (where the loop's ``where`` per expert waits for
+       the device): grouped, by ``grouped_experts``' rule for the device ("sorted", "indexed" or "paired");
+    5. otherwise: "loop".
+    """
+    if setting not in EXPERTS_IMPLS:
+        raise ValueError(f"MoE.experts_impl must be one of {EXPERTS_IMPLS}, got {setting!r}")
+    B, T, _ = idx.shape
+    if x.device.type == "meta":
+        return "shapes"
+    if not speed or setting == "loop":
+        return "loop"
+    if torch.compiler.is_compiling() and idx.numel() <= experts.num_experts and experts.indexable:
+        return "indexed"
+    if setting == "grouped" or (T == 1 and B <= DECODE_BATCH) or x.device.type != "cpu":
+        return grouped_experts_impl(experts, x, idx)
+    return "loop"
+
 
 class MoE(nn.Module):
     """routed (sum over the k chosen experts of weight * expert(x)) + shared expert(x)."""
 
-    # How the chosen experts run. None: the reference loop below, except for a decode step (one new token per
-    # sequence, at most DECODE_BATCH sequences) and on a GPU (where the loop's `where` per expert is a host sync),
-    # which run them grouped (model/dispatch.py, without a host sync on a GPU), and a compiled decode step, which
-    # reads them by index (model/indexed.py). True: always grouped (training: one gradient pass per stack). False:
-    # always the loop.
-    grouped: bool | None = None
+    speed = True  # K2Model.speed: False runs the reference loop always
+    experts_impl: ExpertsImpl = "auto"  # how the chosen experts run: choose_experts
 
     def __init__(self, cfg: K2Config):
         super().__init__()
@@ -151,19 +224,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
         B, T, D = x.shape
         idx, weights = self.gate(x)  # [B, T, k], [B, T, k]
-        if x.device.type == "meta":  # shapes without values (the full K2 without memory): no expert to choose
-            expert_out = x.new_empty(B, T, idx.shape[-1], D)
-        elif torch.compiler.is_compiling() and idx.numel() <= self.experts.num_experts and indexable(self.experts):
-            expert_out = indexed_experts(self.experts, x, idx)  # model/indexed.py: a compiled decode step
-        elif self.grouped or (self.grouped is None and (T == 1 and B <= DECODE_BATCH or x.device.type != "cpu")):
-            expert_out = grouped_experts(self.experts, x, idx)  # model/dispatch.py: decode steps, GPUs, training
-        else:  # the reference: each chosen expert's SwiGLU on the tokens routed to it, into their slots
+        impl = choose_experts(self.experts_impl, self.experts, x, idx, self.speed)
+        if impl == "loop":  # the reference: each chosen expert's SwiGLU on the tokens routed to it, into their slots
             expert_out = x.new_zeros(B, T, idx.shape[-1], D)  # [B, T, k, D]
             for e in idx.unique().tolist():
                 b, t, slot = torch.where(idx == e)  # the (token, slot) pairs that chose expert e
                 gate, up, down = self.experts.expert_weights(e)  # [I, D], [I, D], [D, I]
                 h = x[b, t]  # [n, D]
                 expert_out[b, t, slot] = F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+        else:
+            expert_out = run_experts(impl, self.experts, x, idx)  # speed/grouped_experts.py
         expert_out = self.hook_expert_out(expert_out)  # [B, T, k, D]
         routed = (weights[..., None] * expert_out.float()).sum(-2)  # [B, T, D] the weighted sum, in float32
         routed = self.hook_routed_out(routed.to(x.dtype))

@@ -5,8 +5,9 @@ complete many turns inside the original context and so are already well trained)
 the stretch factor; a linear ramp joins the two. For K2's settings the ramp is a step: pairs 0..19 keep their
 frequency, pairs 20..31 are divided by 32.
 
-The model turns these frequencies into cos and sin per position (``K2Model.rotary_and_mask``), and attention
-rotates the rotary part of its queries and keys with them (``attention.apply_rotary``).
+``RotaryTable`` turns these frequencies into cos and sin per position, once per device: a forward reads the rows of
+its tokens' positions (``inputs.prepare_inputs``), and attention rotates the rotary part of its queries and keys with
+them (``attention.apply_rotary``).
 """
 
 from __future__ import annotations
@@ -54,3 +55,36 @@ def cos_sin_scale(cfg: K2Config) -> float:
     if cfg.rope_type != "yarn":
         return 1.0
     return yarn_get_mscale(cfg.rope_factor, cfg.mscale) / yarn_get_mscale(cfg.rope_factor, cfg.mscale_all_dim)
+
+
+class RotaryTable:
+    """cos and sin of every position's rotary angles, [N, R] each, kept per device and grown by doubling as positions
+    are asked for (DeepSeek-V3's reference precomputes the same table for its whole context at once):
+
+        angle[p, i] = p * inv_freq[i mod R/2]         (rotate-half layout: pair i is (x_i, x_{i + R/2}))
+        cos[p] = cos(angle[p]) * scale,  sin[p] = sin(angle[p]) * scale
+
+    ``inv_freq`` [R/2] and ``scale`` as ``inverse_frequencies`` and ``cos_sin_scale`` give them for a config."""
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float, max_positions: int):
+        self.inv_freq, self.scale, self.max_positions = inv_freq, scale, max_positions  # [R/2] float32
+        self.tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (cos, sin) [N, R]
+
+    @classmethod
+    def for_config(cls, cfg: K2Config) -> RotaryTable:
+        """K2's (YaRN's) table for ``cfg``."""
+        return cls(inverse_frequencies(cfg), cos_sin_scale(cfg), cfg.max_position_embeddings)
+
+    def grow(self, device: torch.device, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table on ``device``, made to hold at least ``positions`` rows if it holds fewer (twice what it held, up
+        to the model's positions) -> (cos, sin) [N, R]. Ordinary tensors, also when first made in inference mode, so
+        that a table first made in inference mode can be differentiated through later."""
+        held = self.tables[device][0].shape[0] if device in self.tables else 0
+        if held >= positions:
+            return self.tables[device]
+        rows = min(max(positions, 2 * held, 64), max(self.max_positions, positions))
+        with torch.inference_mode(False):
+            angles = torch.arange(rows, dtype=torch.float32, device=device)[:, None] * self.inv_freq.to(device)
+            angles = torch.cat((angles, angles), dim=-1)  # [N, R]
+            self.tables[device] = (angles.cos() * self.scale, angles.sin() * self.scale)
+        return self.tables[device]

@@ -8,10 +8,9 @@ untied head with float32 logits.
 Module paths mirror the checkpoint's tensor names without the leading ``model.``: the probe
 ``layers.3.self_attn.hook_kv_latent`` sits next to ``model.layers.3.self_attn.kv_a_proj_with_mqa.weight``.
 
-Padded batches: ``attention_mask`` [B, T] (1 = token, 0 = pad) hides pads from every query and gives them no
-position, so a padded row's real positions get the logits of that row run alone (left or right padding; the
-latent cache remembers which cached positions were pads across decode steps). Ids given without a mask get the one
-TransformerLens infers: the attached tokenizer's [PAD] tokens at a row's edges are pads (``infer_attention_mask``).
+What a forward is given (ids or text, pads, positions, the rotary table) becomes what every block shares in
+``inputs.py``. Every speed trick sits in ``speed/``, called from here in one line; ``model.speed = False`` (or
+``with model.reference():``) turns them all off, so that every call runs the reference functions.
 
 The model holds whatever tokenizer is attached as ``model.tokenizer`` (``k2lab.load`` attaches the checkpoint
 folder's own); then text goes in wherever ids do: ``model("def f(")``, ``model.to_tokens(texts)``.
@@ -19,20 +18,22 @@ folder's own); then text goes in wherever ids do: ``model("def f(")``, ``model.t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Literal, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import K2Config
-from .attention import ATTN_IMPLS, AttnImpl, LatentCache, MultiHeadLatentAttention, causal_mask
-from .hooks import HookedModule, HookPoint
-from .layers import Linear, RMSNorm, SwiGLU
-from .loss import head_cross_entropy
+from .activation_cache import ActivationCache
+from .attention import AttnImpl, LatentCache, MultiHeadLatentAttention
+from .hooks import HookedModule, NameFilter
+from .inputs import Inputs, TextOrIds, infer_attention_mask, prepare_inputs
+from .layers import HookPoint, Linear, RMSNorm, SwiGLU
 from .moe import MoE
-from .rope import cos_sin_scale, inverse_frequencies
+from .rope import RotaryTable
+from .speed.loss import ReturnType, next_token_loss
 
 
 class Tokenizer(Protocol):
@@ -48,9 +49,6 @@ class Tokenizer(Protocol):
     def id_to_piece(self, token_id: int) -> str: ...
     def token_bytes(self, token_id: int) -> bytes: ...
 
-
-ReturnType = Literal["logits", "loss", "both"]
-TextOrIds = torch.Tensor | str | Sequence[str]
 
 
 class DecoderLayer(nn.Module):
@@ -86,9 +84,9 @@ class K2Model(HookedModule):
 
     One forward is four public steps, which ``k2lab.distributed.PipelinedK2`` also composes, a stage per rank:
 
-        ids, mask = model.check_input(input_ids, attention_mask, cache)   # text -> ids; refuses bad input
-        x = model.embed(ids)                                              # [B, T, D]
-        x = model.run_blocks(x, mask, cache)                              # blocks 0..L-1 (or start..stop)
+        inputs = prepare_inputs(model, input_ids, attention_mask, cache)  # inputs.py: ids, pads, positions, rotary
+        x = model.embed(inputs.ids)                                       # [B, T, D]
+        x = model.run_blocks(x, inputs, cache)                            # blocks 0..L-1 (or start..stop)
         logits = model.head(x)                                            # final norm, head: float32 [B, T, V]
 
     >>> model = K2Model(K2Config.mini())
@@ -110,10 +108,9 @@ class K2Model(HookedModule):
             self.norm.hook_out = HookPoint()  # [B, T, D] final normalised residual
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
             self.hook_logits = HookPoint()  # [B, T, V] float32
-        # YaRN's frequencies [R/2] and its factor on cos and sin (rope.py), computed once on the CPU and copied once
-        # to each device that asks. Not a buffer: a model built on the meta device never holds an empty table.
-        self.inv_freq, self.rope_scale = inverse_frequencies(cfg), cos_sin_scale(cfg)
-        self._inv_freq_on: dict[torch.device, torch.Tensor] = {self.inv_freq.device: self.inv_freq}
+        # YaRN's cos and sin of every position (rope.py), made on each device as positions are asked for. Not a
+        # buffer: a model built on the meta device never holds an empty table.
+        self.rotary = RotaryTable.for_config(cfg)
         if self.lm_head.weight.device.type != "meta":
             self.init_weights()
         if dtype is not None:
@@ -121,6 +118,7 @@ class K2Model(HookedModule):
         self.name_hook_points()
         self.tokenizer: Tokenizer | None = None  # whatever is attached; k2lab.load attaches the checkpoint's own
         self._running = False  # blocks are running (a hook that runs the model again would recurse)
+        self._speed = True
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
@@ -142,6 +140,34 @@ class K2Model(HookedModule):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
+
+    @property
+    def speed(self) -> bool:
+        """Whether the speed rooms (``k2lab/model/speed/``) run: True by default. ``model.speed = False`` turns every
+        one off, on every module: products without the thread split, the naive path's softmax written out, the
+        reference loop over the experts, the loss through the whole logits, ``generate`` without inference mode or
+        compilation. Every call then runs the reference functions, with results equal to float32 rounding."""
+        return self._speed
+
+    @speed.setter
+    def speed(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise ValueError(f"model.speed must be True or False, got {on!r}")
+        for module in self.modules():
+            if module is not self and hasattr(type(module), "speed"):  # the modules with a speed room
+                module.speed = on
+        self._speed = on
+
+    @contextmanager
+    def reference(self) -> Iterator[K2Model]:
+        """``with model.reference():`` runs the block with every speed room off (``model.speed = False``), to trace or
+        read the reference functions, a decode step's too; the setting before is restored on exit."""
+        before = self.speed
+        self.speed = False
+        try:
+            yield self
+        finally:
+            self.speed = before
 
     def new_cache(self, batch_size: int = 1, capacity: int = 0) -> LatentCache:
         """An empty latent KV cache for this model (576 values per token per layer for K2), with storage for
@@ -173,20 +199,20 @@ class K2Model(HookedModule):
             raise ValueError(f"return_type must be 'logits', 'loss' or 'both', got {return_type!r}")
         if loss_per_token and return_type == "logits":
             raise ValueError("loss_per_token=True asks for a loss: use return_type='loss' or 'both'")
-        ids, attention_mask = self.check_input(input_ids, attention_mask, cache, attn_impl)
-        x = self.run_blocks(self.embed(ids), attention_mask, cache, attn_impl)  # [B, T, D]
+        inputs = prepare_inputs(self, input_ids, attention_mask, cache, attn_impl)  # inputs.py
+        x = self.run_blocks(self.embed(inputs.ids), inputs, cache)  # [B, T, D]
         if return_type == "logits":
-            return self.head(x).to(ids.device)  # where the ids were sent, as if the model were on one device
-        return next_token_loss(self, x, ids, attention_mask, return_type, loss_per_token)
+            return self.head(x).to(inputs.ids.device)  # where the ids were sent, as if the model were on one device
+        return next_token_loss(self, x, inputs, return_type, loss_per_token)  # speed/loss.py
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Checked ids [B, T] -> token embeddings [B, T, D] (``embed_tokens.hook_out``)."""
         return self.embed_tokens.hook_out(self.embed_tokens(ids))
 
-    def run_blocks(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: LatentCache | None = None,
-                   attn_impl: AttnImpl = "auto", start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """The residual [B, T, D] through blocks ``start`` .. ``stop - 1`` (all by default). ``attention_mask`` [B, T]
-        bool as ``check_input`` returns it; ``cache`` the forward's, advanced once its last block has run."""
+    def run_blocks(self, x: torch.Tensor, inputs: Inputs, cache: LatentCache | None = None, start: int = 0,
+                   stop: int | None = None) -> torch.Tensor:
+        """The residual [B, T, D] through blocks ``start`` .. ``stop - 1`` (all by default). ``inputs`` from
+        ``prepare_inputs``; ``cache`` the forward's, advanced once its last block has run."""
         if self._running:
             raise RuntimeError("the model was called from a hook while its own forward is running: every hook "
                                "fires again in the inner forward, so this would recurse without end (and, in a "
@@ -194,12 +220,11 @@ class K2Model(HookedModule):
                                "(run_with_cache), then run the edited forward")
         self._running = True
         try:
-            cos, sin, attn_mask = self.rotary_and_mask(attention_mask, cache, *x.shape[:2], x.device)
             for layer in self.layers[start:stop]:
                 # With a device_map, blocks live on several devices: the residual (and the rotary table) follow them.
                 device = layer.input_layernorm.weight.device
-                mask = attn_mask.to(device) if attn_mask is not None else None
-                x = layer(x.to(device), cos.to(device), sin.to(device), cache, attn_impl, mask)
+                mask = inputs.attn_mask.to(device) if inputs.attn_mask is not None else None
+                x = layer(x.to(device), inputs.cos.to(device), inputs.sin.to(device), cache, inputs.attn_impl, mask)
         finally:
             self._running = False
         if cache is not None and (stop is None or stop >= len(self.layers)):
@@ -211,35 +236,6 @@ class K2Model(HookedModule):
         on the head's device."""
         x = self.norm.hook_out(self.norm(x.to(self.norm.weight.device)))  # [B, T, D]
         return self.hook_logits(self.lm_head(x.to(self.lm_head.weight.device)).float())  # [B, T, V]
-
-    def rotary_and_mask(self, attention_mask: torch.Tensor | None, cache: LatentCache | None, B: int, T: int,
-                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """What every block of one forward of T new tokens shares: the rotary cos and sin ([T, R] each; [B, T, R]
-        with pads) and the attention mask ([B | 1, 1, T, S] bool; None for plain causal attention over T == S
-        positions, or one query). The new tokens' mask ``attention_mask`` [B, T] bool is recorded in the ``cache``,
-        which also remembers the pads of earlier steps."""
-        start = cache.length if cache is not None else 0
-        keys = None  # [B, S] bool: which key positions (cached, then new) hold real tokens; None: no pads anywhere
-        if attention_mask is not None or (cache is not None and cache.token_mask is not None):
-            new = attention_mask if attention_mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
-            keys = cache.key_mask(new.to(device)) if cache is not None else new.to(device)
-        if keys is None:
-            positions = torch.arange(start, start + T, device=device)  # [T], shared by every row
-            mask = causal_mask(T, start + T, device)[None, None] if 0 < start and 1 < T else None
-        else:  # pads take no position: a token's position counts the real tokens before it in its row
-            positions = (keys.cumsum(-1) - 1).clamp(min=0)[:, start:]  # [B, T]
-            # Every query also sees itself, so a pad's row is never empty: its softmax stays finite and its output,
-            # which nothing real reads, cannot turn into NaN and leak through a zero weight.
-            own = torch.zeros(T, start + T, dtype=torch.bool, device=device).diagonal_scatter(
-                torch.ones(T, dtype=torch.bool, device=device), start)  # [T, S]
-            mask = ((causal_mask(T, start + T, device) & keys[:, None, :]) | own)[:, None]  # [B, 1, T, S]
-        inv_freq = self._inv_freq_on.get(device)
-        if inv_freq is None:
-            with torch.inference_mode(False):  # kept: an ordinary tensor even when first made in inference mode
-                inv_freq = self._inv_freq_on[device] = self.inv_freq.to(device)
-        angles = positions.to(torch.float32)[..., None] * inv_freq  # [(B,) T, R/2] each pair's angle
-        angles = torch.cat((angles, angles), dim=-1)  # [(B,) T, R]
-        return angles.cos() * self.rope_scale, angles.sin() * self.rope_scale, mask
 
     # ---- text -------------------------------------------------------------------------------------------------------
     def require_tokenizer(self, what: str) -> Tokenizer:
@@ -274,132 +270,23 @@ class K2Model(HookedModule):
             return rows[0] if len(rows) == 1 else rows
         return [tok.id_to_piece(i) for i in ids]
 
-    def check_input(self, input_ids: TextOrIds, attention_mask: torch.Tensor | None = None,
-                    cache: LatentCache | None = None, attn_impl: AttnImpl = "auto"
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What a forward is given -> (ids [B, T] on the model's device, attention mask [B, T] bool or None).
-
-        Text goes through ``model.tokenizer`` (a list is left-padded, with its mask); ids are refused with the reason
-        when they are not integer [B, T] ids of this vocabulary, or do not fit the cache or the positions."""
-        text = isinstance(input_ids, str | list | tuple) and is_text(input_ids)
-        if text:
-            if attention_mask is not None:
-                raise ValueError("attention_mask is made by the tokenizer for text input; pass ids to give your own")
-            self.require_tokenizer("text input")
-            input_ids, attention_mask = self.to_tokens(input_ids, return_mask=True)
-            attention_mask = None if bool(attention_mask.all()) else attention_mask
-        try:
-            ids = torch.as_tensor(input_ids)
-        except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"input_ids must be integer token ids [B, T] (a tensor or nested lists of int), got "
-                            f"{type(input_ids).__name__} {str(input_ids)[:60]}") from None
-        ids = ids[None] if ids.dim() == 1 else ids
-        if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise ValueError(f"input_ids must be integer token ids [B, T]; got {ids.dtype} {tuple(ids.shape)}")
-        if ids.dtype not in (torch.int32, torch.int64):  # uint8, int16...: the embedding takes int32/int64
-            ids = ids.long()
-        B, T = ids.shape
-        if B == 0:
-            raise ValueError(f"input_ids has no rows ({tuple(ids.shape)}): at least one sequence is needed")
-        if T == 0:
-            raise ValueError("input_ids is empty: at least one token is needed")
-        if attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
-        vocab = self.config.vocab_size
-        # Reading the ids back is a sync that torch.compile would break its graph on; compiled callers (the training
-        # run, a compiled decode step) feed ids they sampled from the model's own vocabulary, without pads.
-        readable = not torch.compiler.is_compiling() and ids.device.type != "meta"
-        if readable:
-            lo, hi = (bound.item() for bound in torch.aminmax(ids))
-            if lo < 0 or hi >= vocab:
-                raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary of {vocab} (valid ids: "
-                                 f"0..{vocab - 1})")
-        if cache is not None:
-            self._check_cache(cache, B)
-        start = cache.length if cache is not None else 0
-        if start + T > self.config.max_position_embeddings:
-            raise ValueError(f"sequence of {start + T} positions ({start} cached + {T} new) exceeds "
-                             f"max_position_embeddings={self.config.max_position_embeddings}")
-        if attention_mask is not None:
-            attention_mask = check_attention_mask(attention_mask, B, T).to(self.embed_tokens.weight.device)
-        elif not text and readable and start == 0 and self.tokenizer is not None:
-            # Ids without a mask: pads at the rows' edges are masked as TransformerLens does. The edges are looked at
-            # here first, so that a batch without pads runs nothing more.
-            pad = self.tokenizer.special_tokens.get("[PAD]")
-            if pad is not None and bool((ids[:, [0, -1]] == pad).any()):
-                attention_mask = self.infer_attention_mask(ids).to(self.embed_tokens.weight.device)
-        return ids.to(self.embed_tokens.weight.device), attention_mask
-
     def infer_attention_mask(self, ids: torch.Tensor) -> torch.Tensor | None:
         """The attention mask of ids [B, T] padded without one (TransformerLens's ``to_tokens`` habit): [B, T] bool,
         False on the runs of the attached tokenizer's [PAD] id at each row's left and right edges; None when no row
-        has a pad at an edge, or no tokenizer with a [PAD] token is attached. A [PAD] between real tokens stays a
-        token, and EOS is never taken for a pad (it is a real token at a row's end). A row of pads only raises."""
+        has a pad at an edge, or no tokenizer with a [PAD] token is attached (``inputs.infer_attention_mask``)."""
         pad = self.tokenizer.special_tokens.get("[PAD]") if self.tokenizer is not None else None
-        ids = torch.as_tensor(ids)
-        ids = ids[None] if ids.dim() == 1 else ids
-        if pad is None or ids.numel() == 0 or not bool((ids[:, [0, -1]] == pad).any()):
-            return None
-        is_pad = (ids == pad).int()  # [B, T]
-        left = is_pad.cumprod(-1)  # [B, T] 1 on the run of pads the row starts with
-        right = is_pad.flip(-1).cumprod(-1).flip(-1)  # [B, T] 1 on the run it ends with
-        mask = (left + right) == 0
-        if not mask.any(-1).all():
-            row = int((~mask.any(-1)).nonzero()[0])
-            raise ValueError(f"input_ids row {row} holds only [PAD] tokens (id {pad}): a row needs a token to attend "
-                             f"to; drop the row, or pass attention_mask= to say which of its tokens are real")
-        return mask
+        return infer_attention_mask(ids, pad)
 
-    def _check_cache(self, cache: LatentCache, batch_size: int) -> None:
-        """A cache made by ``new_cache`` of a model of this shape and dtype, for ``batch_size`` rows."""
-        if not isinstance(cache, LatentCache):
-            raise TypeError(f"cache must be a LatentCache from model.new_cache(batch_size), got {type(cache).__name__}")
-        layers, width = len(self.layers), self.config.kv_lora_rank + self.config.qk_rope_head_dim
-        if (cache.num_layers, cache.width, cache.dtype) != (layers, width, self.dtype):
-            raise ValueError(f"cache holds {cache.num_layers} layers of {cache.width} {cache.dtype} values per "
-                             f"token, but this model needs {layers} layers of {width} {self.dtype}: another model "
-                             f"made it; use model.new_cache(batch_size)")
-        if cache.batch_size != batch_size:
-            raise ValueError(f"cache holds {cache.batch_size} rows but input_ids has {batch_size}")
-
-
-def next_token_loss(model: K2Model, x: torch.Tensor, ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    return_type: ReturnType, per_token: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``K2Model.forward``'s loss from the last residual x [B, T, D]: cross-entropy of each next token in nats, over
-    the positions whose token and next token are both real."""
-    if ids.shape[1] < 2:
-        raise ValueError(f"a next-token loss needs at least 2 tokens per row; got {ids.shape[1]}")
-    targets = ids[:, 1:]  # [B, T-1]
-    scored = torch.ones_like(targets, dtype=torch.bool)  # [B, T-1] token and target both real
-    if attention_mask is not None:
-        scored = attention_mask[:, 1:] & attention_mask[:, :-1]
-        if not torch.compiler.is_compiling() and scored.device.type != "meta" and not scored.any():
-            raise ValueError("no position has both a real token and a real next token (attention_mask)")
-    if return_type == "loss" and not per_token and not model.hook_logits.active:  # no logits wanted: never hold them
-        last = torch.zeros_like(scored[:, :1])  # the last position predicts nothing
-        return head_loss(model, x, torch.cat((targets, last.long()), 1), torch.cat((scored, last), 1)).to(ids.device)
-    logits = model.head(x).to(ids.device)  # [B, T, V]
-    per_position = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none")
-    loss = per_position.view_as(targets) * scored  # [B, T-1]
-    loss = loss if per_token else loss.sum() / scored.sum().clamp(min=1)
-    return loss if return_type == "loss" else (logits, loss)
-
-
-def head_loss(model: K2Model, x: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor | None = None,
-              reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy in nats of ``targets`` [B, T] (the token each position predicts) under the logits of the last
-    residual x [B, T, D], over the positions ``scored`` [B, T] bool (all when None), "mean" or "sum". The final norm
-    runs as ``head`` runs it; a plain head then runs chunk by chunk (``loss.py``: the [B, T, V] logits are never
-    held), any other (quantized) through its whole logits."""
-    hidden = model.norm.hook_out(model.norm(x.to(model.norm.weight.device)))  # [B, T, D]
-    if scored is not None and hidden.device.type != "meta":  # (on meta, which positions count is unknown: all do)
-        hidden, targets = hidden[scored.to(hidden.device)], targets[scored]  # [N, D], [N]
-    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    if not isinstance(model.lm_head, nn.Linear):
-        logits = model.lm_head(hidden.to(model.lm_head.weight.device)).float()  # [N, V]
-        return F.cross_entropy(logits, targets.to(logits.device), reduction=reduction)
-    weight = model.lm_head.weight
-    return head_cross_entropy(hidden.to(weight.device), weight, targets.to(weight.device), reduction)
+    # ---- probes -----------------------------------------------------------------------------------------------------
+    def run_with_cache(self, input_ids: TextOrIds, names: NameFilter = None, device: torch.device | str | None = None,
+                       dtype: torch.dtype | None = None, *, names_filter: NameFilter = None, incl_bwd: bool = False,
+                       metric: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       **forward_kwargs) -> tuple[torch.Tensor, ActivationCache]:
+        """``HookedModule.run_with_cache`` (the same arguments), its record wrapped in an ``ActivationCache``, which
+        adds the residual-stream analyses (logit lens, decompositions, attribution) to the recorded tensors."""
+        output, record = super().run_with_cache(input_ids, names, device, dtype, names_filter=names_filter,
+                                                incl_bwd=incl_bwd, metric=metric, **forward_kwargs)
+        return output, ActivationCache(record, self)
 
 
 def check_device(device: torch.device | str | int | None) -> torch.device:
@@ -417,22 +304,3 @@ def check_device(device: torch.device | str | int | None) -> torch.device:
                                                or (parsed.index or 0) >= count):
         raise ValueError(f"device={str(parsed)!r} is not available on this machine (available here: {available})")
     return parsed
-
-
-def is_text(value: object) -> bool:
-    """Whether a model input is text: a string, or a non-empty list or tuple of strings (a batch)."""
-    return isinstance(value, str) or (isinstance(value, list | tuple) and len(value) > 0
-                                      and all(isinstance(t, str) for t in value))
-
-
-def check_attention_mask(attention_mask: torch.Tensor, B: int, T: int) -> torch.Tensor:
-    """``attention_mask`` [B, T] (or [T] for one row) of 0/1 or bool -> bool [B, T]; anything else raises."""
-    mask = torch.as_tensor(attention_mask)
-    mask = mask[None] if mask.dim() == 1 else mask
-    if tuple(mask.shape) != (B, T) or mask.is_floating_point() or mask.is_complex():
-        raise ValueError(f"attention_mask must be integer or bool [B, T] = {(B, T)} (1 = token, 0 = pad); got "
-                         f"{mask.dtype} {tuple(mask.shape)}")
-    readable = not torch.compiler.is_compiling() and mask.device.type != "meta"
-    if mask.dtype != torch.bool and readable and ((mask != 0) & (mask != 1)).any():
-        raise ValueError(f"attention_mask holds values other than 0 and 1: {sorted(mask.unique().tolist())[:5]}")
-    return mask.bool()

@@ -33,9 +33,12 @@ import torch
 
 from ..bundled import NANO_DIR
 from ..config import K2Config
+from ..model.inputs import prepare_inputs
 from ..model.moe import MoE
-from ..model.transformer import K2Model, head_loss
-from ..tokenizer.tokenizer import CONFIG_FILE, RANKS_FILE, K2Tokenizer, load_tokenizer
+from ..model.speed.loss import head_loss
+from ..model.transformer import K2Model
+from ..tokenizer.release import load_tokenizer
+from ..tokenizer.tokenizer import CONFIG_FILE, RANKS_FILE, K2Tokenizer
 from ..weights.writer import save_checkpoint
 from . import corpus
 from .optim import MuonClip, balance_router_bias, qk_clip, wsd_lr
@@ -149,23 +152,24 @@ def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, gen: torch
 
 def training_model(cfg: K2Config, seed: int) -> K2Model:
     """A K2 as the run trains it: random initial weights from ``seed``, training mode, and its experts run grouped
-    (``MoE.grouped``, k2lab/model/dispatch.py: one gradient pass per expert stack instead of one per expert)."""
+    (``MoE.experts_impl = "grouped"``, k2lab/model/speed/grouped_experts.py: one gradient pass per expert stack
+    instead of one per expert)."""
     model = K2Model(cfg)
     model.init_weights(seed=seed)
     model.train()
     for module in model.modules():
         if isinstance(module, MoE):
-            module.grouped = True
+            module.experts_impl = "grouped"
     return model
 
 
 def next_token_loss(model: K2Model, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy in nats of each next token ("mean" or "sum" over them): batch [B, T+1] ids, inputs
-    batch[:, :-1], targets batch[:, 1:]. The head runs chunk by chunk (``k2lab.model.loss``), so the batch's logits
-    are never whole and ``hook_logits`` does not fire."""
-    ids, _ = model.check_input(batch[:, :-1])
-    x = model.run_blocks(model.embed(ids), attn_impl="naive")  # [B, T, D]
-    return head_loss(model, x, batch[:, 1:].to(ids.device), reduction=reduction)
+    batch[:, :-1], targets batch[:, 1:]. The head runs chunk by chunk (``k2lab.model.speed.loss``), so the batch's
+    logits are never whole and ``hook_logits`` does not fire."""
+    inputs = prepare_inputs(model, batch[:, :-1], attn_impl="naive")
+    x = model.run_blocks(model.embed(inputs.ids), inputs)  # [B, T, D]
+    return head_loss(model, x, batch[:, 1:].to(inputs.ids.device), reduction=reduction)
 
 
 @torch.no_grad()

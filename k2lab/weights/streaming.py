@@ -18,9 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from ..model.moe import RoutedExperts
+from ..model.moe import Experts
 from .quant import QuantFormat
 from .schema import EXPERT_PROJS
 
@@ -106,7 +105,7 @@ class ExpertCache:
         return f"ExpertCache({len(self._entries)} experts held; {self.stats})"
 
 
-class StreamedExperts(RoutedExperts):
+class StreamedExperts(Experts):
     """One layer's routed experts, each fetched through the shared cache when it runs.
 
     ``format`` quantized: the cache holds each expert as stored (FP8: gate's e4m3 values and scales, up's, down's;
@@ -114,11 +113,11 @@ class StreamedExperts(RoutedExperts):
     (gate, up, down) ready to use.
     """
 
-    stacked = False  # each expert's matrices are made as it runs: no stacks to view or index
+    indexable = False  # each expert's matrices are read from the files as it runs: none can be gathered by index
 
     def __init__(self, num_experts: int, layer: int, cache: ExpertCache, format: QuantFormat,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
-        nn.Module.__init__(self)  # the weights live in the files, not here
+        super().__init__()  # the weights live in the files, not here
         self.num_experts, self.layer, self.cache, self.format = num_experts, layer, cache, format
         self.dtype, self.device = dtype, torch.device(device)  # of the weights expert_weights returns
 

@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from k2lab.lab import exercises
+from k2lab.model import prepare_inputs
 
 ids = model.to_tokens(lab.PROMPT)  # [B=1, T], on the model's device
 T = ids.shape[1]
@@ -133,7 +134,8 @@ print(f"rms of the rows: before {rms(x).min():.2f} .. {rms(x).max():.2f}; "
 # you wrote in 03 (notebooks do not share their variables; [09](09_full_model.ipynb) shows where to paste yours):
 
 # %%
-cos, sin, _ = model.rotary_and_mask(None, None, 1, T, model.device)  # [T, R] each (no pads: no mask)
+inputs = prepare_inputs(model, ids)  # what every block of this forward shares: positions, rotary cos and sin
+cos, sin = inputs.cos, inputs.sin  # [T, R] each (no pads: one row of positions for the batch)
 attn_out = block.self_attn(normed[None], cos, sin)[0]  # [T, D]
 resid_mid = x + attn_out  # [T, D]
 print(f"max |attention - hook_attn_out| = {gap(attn_out, cache['layers.1.hook_attn_out'][0]):.1e}")

@@ -236,8 +236,10 @@ def test_splicing_takes_transformerlens_spellings(model, ids, clean):
         assert (model(ids) - clean[0]).abs().max() <= 1e-6
 
 
-def test_nnsight_reads_and_edits_the_features(model, ids):
+def test_nnsight_reads_and_edits_the_features(ids):
+    """On a model of its own: nnsight's wrappers stay on a model for good (every probe then counts as active)."""
     nnsight = pytest.importorskip("nnsight", reason="nnsight is an optional test dependency")
+    model = random_model(TINY, seed=0)
     sae = random_sae()
     zero = lambda t, hook: torch.zeros_like(t)
     with torch.no_grad(), splice(model, RESID, sae) as features:

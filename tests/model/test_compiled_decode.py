@@ -5,8 +5,6 @@ seconds, so the graphs are shared: every single-row step below reuses the first 
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 from hf_oracle import hf_model, relative_error, save_and_load
@@ -115,24 +113,6 @@ def test_compile_runs_an_observed_model_eagerly_and_refuses_bad_values():
         k2lab.generate(model, ids, 2, compile="yes")
     with pytest.raises(ValueError, match="compiles a K2Model's decode step"):
         k2lab.generate(torch.nn.Identity(), ids, 2, compile=True)
-
-
-@pytest.mark.parametrize(("stacked", "tokens", "expected"),
-                         [(True, 1, "indexed"), (True, 64, "loop"), (False, 1, "grouped")])
-def test_under_compile_only_few_tokens_of_stacked_experts_are_read_by_index(monkeypatch, stacked, tokens, expected):
-    """More slots than experts (a compiled training step) keep the eager paths, and so do experts made per use
-    (streamed, quantized: ``stacked`` False), whose matrices are no stacks to index."""
-    import k2lab.model.moe as moe_module
-
-    moe = random_model(TINY, seed=3).layers[1].mlp
-    moe.experts.stacked = stacked
-    called = []
-    for room in ("indexed_experts", "grouped_experts"):
-        real = getattr(moe_module, room)
-        monkeypatch.setattr(moe_module, room, lambda *a, room=room, real=real: called.append(room) or real(*a))
-    with mock.patch("torch.compiler.is_compiling", return_value=True), torch.no_grad():
-        moe(torch.randn(1, tokens, TINY.hidden_size))
-    assert (called[0].removesuffix("_experts") if called else "loop") == expected
 
 
 def test_a_cache_reserves_its_capacity_and_names_a_bad_one():

@@ -14,10 +14,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import k2lab
-from k2lab.model import dispatch
-from k2lab.model.dispatch import grouped_mm_runs, sorted_experts
-from k2lab.model.indexed import indexable, indexed_experts
-from k2lab.model.static_decode import StaticCache, static_decode_step
+from k2lab.model.speed import grouped_experts
+from k2lab.model.speed.grouped_experts import grouped_mm_runs, sorted_experts
+from k2lab.model.speed.indexed_experts import indexed_experts
+from k2lab.model.speed.static_decode import StaticCache, static_decode_step
 from k2lab.weights.quant.fp8 import FP8Format
 from k2lab.weights.writer import save_checkpoint
 
@@ -50,7 +50,7 @@ def test_a_quantized_decode_step_traces_as_one_graph_for_every_cache_length(fold
     prefill is one graph under ``fullgraph=True``, reused as the cache grows, with the eager step's logits."""
     model = resident(folders, name)
     experts = model.layers[1].mlp.experts
-    assert not experts.stacked and indexable(experts)  # held quantized: read by index, not as stacks
+    assert experts.stacks is None and experts.indexable  # held quantized: read by index, not as stacks
     ids = token_ids(SMALL, batch=1, length=10, seed=3)
     backend = CompileCounterWithBackend("eager")
     traced = torch.compile(model, dynamic=True, fullgraph=True, backend=backend)
@@ -129,7 +129,7 @@ def test_the_grouped_kernel_is_chosen_on_hopper_in_bfloat16_only(monkeypatch):
     assert not grouped_mm_runs(torch.device("cpu"), torch.bfloat16)
     capability[0] = (8, 0)
     assert not grouped_mm_runs(cuda, torch.bfloat16)
-    assert dispatch.paired_experts is not None  # the CPU's path is still there
+    assert grouped_experts.paired_experts is not None  # the CPU's path is still there
 
 
 @pytest.mark.parametrize("attn_impl", ["absorbed", "naive"])

@@ -1,7 +1,8 @@
-"""The routed experts, three ways: MoE's reference loop, the grouped dispatch (model/dispatch.py: tokens sorted by
-expert, experts of similar load in pairs of batched products over strided views of the stacks) and the experts read
-by index (model/indexed.py). Each is checked against every slot run through its expert on its own in float64, at one
-thread and two (a batched product splits its pair over threads), and so are their gradients."""
+"""The routed experts, three ways: MoE's reference loop, the grouped dispatch (model/speed/grouped_experts.py: tokens
+sorted by expert, experts of similar load in pairs of batched products over strided views of the stacks) and the experts
+read by index (model/speed/indexed_experts.py); and the one rule that chooses among them (choose_experts). Each is
+checked against every slot run through its expert on its own in float64, at one thread and two (a batched product splits
+its pair over threads), and so are their gradients."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_oracle import relative_error
-from tiny import TINY, backward_node_names
+from tiny import TINY, UnstackedExperts, backward_node_names
 
-from k2lab.model.dispatch import StackSlices, expert_groups, group_span, grouped_experts
-from k2lab.model.indexed import indexed_experts
-from k2lab.model.moe import MoE, RoutedExperts
+from k2lab.model.moe import DECODE_BATCH, MoE, RoutedExperts, choose_experts
+from k2lab.model.speed.grouped_experts import StackSlices, expert_groups, group_span, paired_experts
+from k2lab.model.speed.indexed_experts import indexed_experts
 
 E, D = TINY.n_routed_experts, TINY.hidden_size
 
@@ -58,7 +59,7 @@ class _FixedRoute(torch.nn.Module):
 def _loop(experts: RoutedExperts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """MoE's reference loop on a given route: what its hook_expert_out shows."""
     moe = MoE(TINY.replace(n_shared_experts=0))
-    moe.experts, moe.gate, moe.grouped = experts, _FixedRoute(idx), False
+    moe.experts, moe.gate, moe.experts_impl = experts, _FixedRoute(idx), "loop"
     seen = []
     moe.hook_expert_out.fns.append(lambda t, hook: seen.append(t))
     moe(x)
@@ -66,14 +67,13 @@ def _loop(experts: RoutedExperts, x: torch.Tensor, idx: torch.Tensor) -> torch.T
 
 
 def _one_at_a_time(experts: RoutedExperts) -> RoutedExperts:
-    experts.stacked = False  # as streamed and quantized experts run: each expert's matrices from expert_weights
-    return experts
+    return UnstackedExperts.of(experts, TINY)
 
 
 RUNS = {
     "loop": _loop,
-    "grouped in pairs": grouped_experts,
-    "grouped one at a time": lambda experts, x, idx: grouped_experts(_one_at_a_time(experts), x, idx),
+    "grouped in pairs": paired_experts,
+    "grouped one at a time": lambda experts, x, idx: paired_experts(_one_at_a_time(experts), x, idx),
     "indexed": indexed_experts,
 }
 
@@ -137,7 +137,7 @@ def test_stack_slices_backward_equals_slicing_and_is_one_node_per_stack():
     assert torch.equal(stack.grad, plain.grad) and stack.grad[5].abs().max() == 0
 
     x = torch.randn(1, 37, D, generator=gen, requires_grad=True)
-    names = backward_node_names(grouped_experts(_experts(), x, _route(37, 4)))
+    names = backward_node_names(paired_experts(_experts(), x, _route(37, 4)))
     assert names.count("StackSlicesBackward") == 3  # gate, up, down: one node each, whatever the number of groups
     assert not any(name.startswith("SliceBackward") for name in names)
 
@@ -150,30 +150,58 @@ def test_stack_slices_run_only_where_a_gradient_may_flow_into_the_stacks(monkeyp
     monkeypatch.setattr(StackSlices, "forward", staticmethod(lambda ctx, *a: calls.append(1) or forward(ctx, *a)))
     experts, idx = _experts(), _route(11, 4)
     x = torch.randn(1, 11, D, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    trained = grouped_experts(experts, x, idx)
+    trained = paired_experts(experts, x, idx)
     (x_grad,) = torch.autograd.grad(trained.square().sum(), x)
     assert len(calls) == 3  # gate, up, down
     with torch.no_grad():
-        assert torch.equal(grouped_experts(experts, x, idx), trained)
+        assert torch.equal(paired_experts(experts, x, idx), trained)
     experts.requires_grad_(False)
-    frozen = grouped_experts(experts, x, idx)
+    frozen = paired_experts(experts, x, idx)
     assert torch.equal(frozen, trained)
     assert torch.equal(torch.autograd.grad(frozen.square().sum(), x)[0], x_grad)
     assert len(calls) == 3  # neither call went through StackSlices
 
 
-@pytest.mark.parametrize(("shape", "grouped", "expected"), [
-    ((1, 1), None, "grouped"), ((16, 1), None, "grouped"), ((17, 1), None, "loop"), ((1, 2), None, "loop"),
-    ((1, 16), None, "loop"), ((1, 40), True, "grouped"), ((1, 1), False, "loop")])
-def test_moe_runs_the_grouped_dispatch_for_a_decode_step_or_when_told(monkeypatch, shape, grouped, expected):
-    """MoE.grouped: None runs the reference loop but for a decode step: one new token per sequence [B, 1], at most
-    DECODE_BATCH (16) sequences. A short prompt is no decode step."""
+@pytest.mark.parametrize(("shape", "setting", "speed", "expected"), [
+    ((1, 1), "auto", True, "paired"), ((DECODE_BATCH, 1), "auto", True, "paired"),
+    ((DECODE_BATCH + 1, 1), "auto", True, "loop"), ((1, 2), "auto", True, "loop"), ((1, 16), "auto", True, "loop"),
+    ((1, 40), "grouped", True, "paired"), ((1, 1), "loop", True, "loop"), ((1, 1), "auto", False, "loop"),
+    ((1, 40), "grouped", False, "loop")])
+def test_one_rule_chooses_how_the_experts_run(shape, setting, speed, expected):
+    """choose_experts: the reference loop but for a decode step (one new token per sequence [B, 1], at most
+    DECODE_BATCH sequences) or experts_impl="grouped", which run grouped (on the CPU: in pairs); a short prompt is no
+    decode step; with the speed rooms off, always the loop."""
+    idx = torch.zeros(*shape, 4, dtype=torch.long)
+    assert choose_experts(setting, _experts(), torch.zeros(*shape, D), idx, speed) == expected
+
+
+def test_the_rule_reads_by_index_inside_a_compiled_step_and_only_shapes_on_meta(monkeypatch):
+    experts, x, idx = _experts(), torch.zeros(1, 1, D), torch.zeros(1, 1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"MoE.experts_impl must be one of \('auto', 'loop', 'grouped'\), got 'pairs'"):
+        choose_experts("pairs", experts, x, idx)
+    assert choose_experts("auto", experts, x.to("meta"), idx.to("meta")) == "shapes"
+    assert choose_experts("auto", experts, x.to("meta"), idx.to("meta"), speed=False) == "shapes"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert choose_experts("auto", experts, x, idx) == "indexed"
+    assert choose_experts("auto", _one_at_a_time(experts), x, idx) == "indexed"  # gathered through chosen_weights
+    streamed = _one_at_a_time(experts)
+    streamed.indexable = False  # as streamed experts: read from files per expert, nothing to gather by index
+    assert choose_experts("auto", streamed, x, idx) == "paired"
+    many = torch.zeros(1, E, 4, dtype=torch.long)  # more (token, slot) pairs than experts: not a decode step's
+    assert choose_experts("auto", experts, torch.zeros(1, E, D), many) == "loop"
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("auto", "loop"), ("grouped", "grouped"), ("loop", "loop")])
+def test_moe_runs_what_the_rule_names(monkeypatch, setting, expected):
+    """MoE.forward calls the chooser once and runs what it names: the loop in place, anything else through run_experts
+    (speed/grouped_experts.py)."""
     import k2lab.model.moe as moe_module
+    from k2lab.model.speed.grouped_experts import run_experts
 
     calls = []
-    monkeypatch.setattr(moe_module, "grouped_experts", lambda *a: calls.append(1) or grouped_experts(*a))
+    monkeypatch.setattr(moe_module, "run_experts", lambda *a: calls.append(a[0]) or run_experts(*a))
     moe = MoE(TINY)
-    moe.grouped = grouped
+    moe.experts_impl = setting
     with torch.no_grad():
-        moe(torch.randn(*shape, D))
+        moe(torch.randn(1, 5, D))
     assert ("grouped" if calls else "loop") == expected

@@ -1,5 +1,6 @@
-"""k2lab.model.linear: few-row products split one block of weight rows per thread. CI runs at one thread, where
-the split never happens, so every test here sets two threads itself."""
+"""k2lab.model.speed.linear: few-row products split one block of weight rows per thread (``threaded_linear``: the split
+where ``split_pays``, else F.linear). CI runs at one thread, where the split never happens, so every test here sets two
+threads itself."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch.nn.functional as F
 from hf_oracle import hf_model, relative_error, save_and_load
 from tiny import TINY
 
-from k2lab.model.linear import SPLIT_MAX_ROWS, SPLIT_MIN_BLOCK, split_count
-from k2lab.model.linear import split_linear as linear
+from k2lab.model.speed.linear import SPLIT_MAX_ROWS, SPLIT_MIN_BLOCK, split_count
+from k2lab.model.speed.linear import threaded_linear as linear
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k2lab.model.loss import head_cross_entropy
+from k2lab.model.speed.loss import head_cross_entropy
 
 
 def _inputs(rows: int = 37, width: int = 16, vocab: int = 300, seed: int = 0):

@@ -57,8 +57,11 @@ def test_nnsight_edits_equal_hook_edits(model, ids):
     assert not torch.allclose(edited, plain)
 
 
-def test_pytorch_forward_hooks_fire_on_probes(model, ids):
-    seen = []
+def test_pytorch_forward_hooks_fire_on_probes(ids):
+    """On a model nnsight never wrapped: a wrapped one keeps every probe active (test_workbench.py)."""
+    from tiny import random_model
+
+    model, seen = random_model(), []
     point = model.layers[1].self_attn.hook_pattern
     handles = [point.register_forward_hook(lambda module, args, out: seen.append(out.shape)),
                model.layers[1].hook_attn_out.register_forward_hook(lambda module, args, out: out * 0)]

@@ -14,7 +14,6 @@ from torch._dynamo.exc import BackendCompilerFailed
 from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from k2lab.model.dispatch import expert_linears
 from k2lab.weights.quant import fp8, fp8_matmul, fused_dequant, int4
 from k2lab.weights.quant.fp8 import FP8Linear, FP8RoutedExperts, dequantize, quantize
 from k2lab.weights.quant.fp8_matmul import blockwise_unsupported, emulate_blockwise, quantize_activations
@@ -166,13 +165,13 @@ def test_fp8_experts_run_one_at_a_time_multiply_as_the_linears_do(monkeypatch):
             values, scale = quantize(torch.randn(getattr(experts, proj + "_fp8").shape[1:]) / 16, (128, 128))
             getattr(experts, proj + "_fp8")[e], getattr(experts, proj + "_scale_inv")[e] = values, scale
     h = torch.randn(5, 256)
-    gate, *_ = expert_linears(experts, 3)
+    gate, *_ = experts.expert_linears(3)
     torch.testing.assert_close(gate(h), h @ experts.expert_weights(3)[0].T, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(fp8, "blockwise_applies", lambda *args: True)
     monkeypatch.setattr(fp8, "blockwise_linear", lambda x, w, s: emulate_blockwise(x, dequantize(w, s, (128, 128),
                                                                                                    torch.float32)))
     experts.fp8_products = True
-    gate, *_ = expert_linears(experts, 3)
+    gate, *_ = experts.expert_linears(3)
     assert torch.equal(gate(h), emulate_blockwise(h, experts.expert_weights(3)[0]))
 
 

@@ -19,7 +19,7 @@ from tiny import experts_one_at_a_time
 import k2lab
 from k2lab import K2Config
 from k2lab.model.layers import Linear
-from k2lab.weights import hub
+from k2lab.weights import download
 from k2lab.weights.load import slice_layers
 from k2lab.weights.quant import format_from_quantization_config
 from k2lab.weights.quant.base import QuantizedRoutedExperts
@@ -203,7 +203,7 @@ def test_int4_resident_and_streamed_equal_the_dequantized_model(folder):
     ids = token_ids(TINY, seed=1)
 
     for model in (resident, streamed):  # made per use: no stacks to pair or index, so pairing would copy both
-        assert not any(layer.mlp.experts.stacked for layer in model.layers[TINY.first_k_dense_replace :])
+        assert all(layer.mlp.experts.stacks is None for layer in model.layers[TINY.first_k_dense_replace :])
     with torch.no_grad():
         expected = dense(ids)
         torch.testing.assert_close(resident(ids), expected, rtol=1e-5, atol=1e-5)  # other modules: float32 rounding
@@ -230,7 +230,7 @@ def test_hub_slices_fetch_the_shards_of_the_packed_experts(folder):
     weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
     # Shards: 1 = embedding + block 0 (dense), 2 = blocks 1-2 (INT4 experts), 3 = final norm + head.
     def shards(num_layers):
-        patterns = hub.allow_patterns(slice_layers(TINY, num_layers), weight_map)
+        patterns = download.allow_patterns(slice_layers(TINY, num_layers), weight_map)
         return [p.split("-")[1] for p in patterns if p.endswith(".safetensors")]
 
     assert shards(1) == ["1", "3"] and shards(2) == ["1", "2", "3"]
@@ -238,4 +238,4 @@ def test_hub_slices_fetch_the_shards_of_the_packed_experts(folder):
     del weight_map["model.layers.1.mlp.experts.0.gate_proj.weight_scale"]
     del weight_map["model.layers.1.mlp.experts.0.gate_proj.weight_shape"]
     with pytest.raises(CheckpointError, match=r"experts\.0\.gate_proj\.weight is not in"):
-        hub.allow_patterns(TINY, weight_map)
+        download.allow_patterns(TINY, weight_map)

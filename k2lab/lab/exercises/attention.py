@@ -118,7 +118,7 @@ def _random_attention(cfg: K2Config, seed: int) -> MultiHeadLatentAttention:
 
 def _mla_inputs(cfg: K2Config, batch: int, positions: torch.Tensor, seed: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden [B, T, D] and the rotary cos, sin [T, R] as ``K2Model.rotary_and_mask`` makes them: each pair's angle
+    """hidden [B, T, D] and the rotary cos, sin [T, R] as ``k2lab.model.prepare_inputs`` makes them: each pair's angle
     position * inv_freq[i], written for x_i and x_{i+R/2} (the rotate-half layout), times YaRN's cos/sin factor."""
     hidden = torch.randn(batch, len(positions), cfg.hidden_size, generator=generator(seed))
     angles = positions.float()[:, None] * inverse_frequencies(cfg)  # [T, R/2]

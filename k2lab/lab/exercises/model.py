@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from ...config import K2Config
-from ...model.hooks import HookPoint
+from ...model.inputs import prepare_inputs
+from ...model.layers import HookPoint
+from ...model.rope import RotaryTable
 from ...model.transformer import K2Model
 from .checking import Verdict, call, checker, compare, generator
 
@@ -90,19 +92,20 @@ def _with_router_edit(model: K2Model, ids: torch.Tensor, edit: str) -> torch.Ten
 def _with_plain_rope(model: K2Model, ids: torch.Tensor) -> torch.Tensor:
     """The model's logits with RoPE's plain frequencies, theta^(-2i/R), instead of YaRN's."""
     cfg = model.config
-    saved = model.inv_freq, model._inv_freq_on, model.rope_scale
+    saved = model.rotary
     R = cfg.qk_rope_head_dim
     plain = 1.0 / cfg.rope_theta ** (torch.arange(0, R, 2, dtype=torch.float32) / R)
-    model.inv_freq, model._inv_freq_on, model.rope_scale = plain, {plain.device: plain}, 1.0
+    model.rotary = RotaryTable(plain, 1.0, cfg.max_position_embeddings)
     try:
         return model(ids)
     finally:
-        model.inv_freq, model._inv_freq_on, model.rope_scale = saved
+        model.rotary = saved
 
 
 def _model_mistakes(model: K2Model, ids: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The logits of the usual assembly mistakes, each with what went wrong."""
-    x = model.run_blocks(model.embed(ids))  # [B, T, D] the last residual
+    inputs = prepare_inputs(model, ids)
+    x = model.run_blocks(model.embed(inputs.ids), inputs)  # [B, T, D] the last residual
     final = model.norm(x)
     mistakes = [
         ("you tied the head to the embedding; K2's lm_head is a matrix of its own (lm_head.weight)",

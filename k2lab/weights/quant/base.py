@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from ...config import K2Config
-from ...model.linear import split_linear
-from ...model.moe import RoutedExperts
+from ...model.moe import Experts
+from ...model.speed.linear import threaded_linear
 from ..schema import EXPERT_PROJS, TensorSpec
 
 
@@ -108,7 +108,7 @@ class QuantFormat:
         return QuantizedLinear(self, in_features, out_features, dtype, device)
 
     def routed_experts(self, cfg: K2Config, dtype: torch.dtype = torch.bfloat16,
-                       device: torch.device | str | None = None) -> RoutedExperts:
+                       device: torch.device | str | None = None) -> Experts:
         """A layer's routed experts stacked in this format, the chosen expert dequantized when it runs."""
         return QuantizedRoutedExperts(self, cfg, dtype, device)
 
@@ -196,22 +196,22 @@ class QuantizedLinear(QuantizedResident):
     def weight(self) -> torch.Tensor:  # [out, in] in self.dtype
         return self.format.dequantize(tuple(getattr(self, "weight" + s) for s in self.suffixes), self.dtype)
 
+    speed = True  # K2Model.speed: False runs F.linear always
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return split_linear(x, self.weight)  # F.linear but for a decode step's few rows on the CPU
+        return threaded_linear(x, self.weight, self.speed)  # F.linear but for a decode step's few rows on the CPU
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}"
 
 
-class QuantizedRoutedExperts(QuantizedResident, RoutedExperts):
+class QuantizedRoutedExperts(QuantizedResident, Experts):
     """Routed experts held as stacks of ``format``'s stored tensors, ``{gate,up,down}_proj{suffix}`` [E, ...]; a
     chosen expert is dequantized when it runs (``expert_weights``); ``MoE`` runs them as it runs any experts."""
 
-    stacked = False  # each expert's matrices are made as it runs: no stacks to view or index
-
     def __init__(self, format: QuantFormat, cfg: K2Config, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None):
-        nn.Module.__init__(self)  # no dense stacks
+        super().__init__()
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.format, self.num_experts, self.dtype = format, E, dtype
         for proj, shape in zip(EXPERT_PROJS, ((I, D), (I, D), (D, I)), strict=True):
@@ -227,9 +227,9 @@ class QuantizedRoutedExperts(QuantizedResident, RoutedExperts):
         )
 
     def chosen_weights(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The matrices of the experts ``idx`` [...] names, gathered from the stacks by the routing tensor itself and
-        dequantized: (gate [..., I, D], up [..., I, D], down [..., D, I]). No expert id is read back to Python, so a
-        compiled step traces it and a GPU runs it without a host sync (model/indexed.py)."""
+        """The matrices of the experts ``idx`` [...] names, gathered from the stored stacks by the routing tensor itself
+        and dequantized: (gate [..., I, D], up [..., I, D], down [..., D, I]). No expert id is read back to Python, so
+        a compiled step traces it and a GPU runs it without a host sync (model/speed/indexed_experts.py)."""
         return tuple(  # type: ignore[return-value]
             self.format.dequantize(tuple(getattr(self, p + s)[idx] for s in self.suffixes), self.dtype)
             for p in EXPERT_PROJS

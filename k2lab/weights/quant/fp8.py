@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ...config import K2Config
-from ...model.linear import split_linear
+from ...model.speed.linear import threaded_linear
 from ..schema import EXPERT_PROJS, TensorSpec
 from .base import QuantFormat, QuantizedLinear, QuantizedRoutedExperts, Stored, register
 from .fp8_matmul import FP8, FP8_MAX, blockwise_applies, blockwise_linear, refuse_blockwise
@@ -168,7 +168,8 @@ class FP8Linear(QuantizedLinear):
         self.block = self.format.block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        return fp8_product(x, self.weight_fp8, self.weight_scale_inv, self.block, self.dtype, self.fp8_products)
+        return fp8_product(x, self.weight_fp8, self.weight_scale_inv, self.block, self.dtype,
+                           self.fp8_products and self.speed, self.speed)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 in {self.block} blocks"
@@ -194,13 +195,13 @@ class FP8RoutedExperts(QuantizedRoutedExperts):
 
 
 def fp8_product(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                dtype: torch.dtype, fp8_products: bool = False) -> torch.Tensor:
+                dtype: torch.dtype, fp8_products: bool = False, speed: bool = True) -> torch.Tensor:
     """x [..., I] @ W^T -> [..., O], W the e4m3 ``values`` [O, I] times ``scale_inv`` in ``block`` blocks: multiplied
     block-scaled in FP8 where the GPU can and ``fp8_products`` (fp8_matmul.py), else x @ W^T with W dequantized into
-    ``dtype`` (in one pass off the CPU)."""
+    ``dtype`` (in one pass off the CPU), its few-row products split over the CPU's threads where ``speed`` pays."""
     if fp8_products and blockwise_applies(x, values, block):
         try:
             return blockwise_linear(x, values, scale_inv)  # fp8_matmul.py
         except (RuntimeError, ValueError) as err:  # cuBLASLt refused: named once, then every product dequantises
             refuse_blockwise(x.device, err)
-    return split_linear(x, in_one_pass(dequantize, values, scale_inv, block, dtype))
+    return threaded_linear(x, in_one_pass(dequantize, values, scale_inv, block, dtype), speed)

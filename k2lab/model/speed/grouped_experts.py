@@ -1,8 +1,10 @@
 """Speed room: the chosen experts run grouped, tokens sorted by expert, experts of similar load in pairs.
 
-Replaces ``MoE``'s reference loop (one ``where`` and three products per chosen expert) for a decode step (one new
-token per sequence, at most ``DECODE_BATCH`` sequences), on a GPU (where each ``where`` waits for the device) and for
-training (``MoE.grouped = True``). ``grouped_experts`` chooses how:
+Replaces ``MoE``'s reference loop (one ``where`` and three products per chosen expert) where ``moe.choose_experts``
+says so: for a decode step (one new token per sequence, at most ``DECODE_BATCH`` sequences), on a GPU (where each
+``where`` waits for the device), for training (``MoE.experts_impl = "grouped"``) and in a compiled decode step
+(indexed_experts.py). ``run_experts`` runs the path the chooser named; ``grouped_experts_impl`` is its rule for
+grouped experts on each device:
 
 - On the CPU, and where nothing below applies, in pairs (``paired_experts``): two experts of similar load run as one
   batched product over a strided view of the stacks (no copy). That halves the product calls, and a batched product
@@ -22,17 +24,15 @@ expert) run one at a time in the paired path, still sorted.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from .indexed import indexable, indexed_experts
+from .indexed_experts import indexed_experts
 
-# A decode step (one new token per sequence) of at most this many sequences runs grouped by default: its experts'
-# products have few rows.
-DECODE_BATCH = 16
+if TYPE_CHECKING:
+    from ..moe import Experts
 
 
 def expert_groups(counts: list[int], pairs: bool) -> list[tuple[int, ...]]:
@@ -75,26 +75,17 @@ class StackSlices(torch.autograd.Function):
         return stack_grad, None
 
 
-def expert_linears(experts, expert: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
-    """The products h [n, in] -> h @ W^T of one expert's gate, up and down: the experts' own where they have them
-    (``expert_linears``: FP8 experts multiply as stored on a GPU that can), else over ``expert_weights``."""
-    own = getattr(experts, "expert_linears", None)
-    if own is not None:
-        return own(expert)
-    return tuple(partial(F.linear, weight=weight) for weight in experts.expert_weights(expert))
-
-
-def run_groups(experts, groups: list[tuple[int, ...]], blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+def run_groups(experts: Experts, groups: list[tuple[int, ...]], blocks: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each group's experts on its row block, h [g, n, D] -> [g, n, D] (row block j through expert group[j]): one
-    batched SwiGLU per group over views of the stacks, or each expert's ``expert_weights`` when not ``stacked``."""
-    if not experts.stacked:
+    batched SwiGLU per group over views of the stacks, or each expert's ``expert_linears`` when there are none."""
+    stacks = experts.stacks
+    if stacks is None:
         outs = []
         for group, h in zip(groups, blocks, strict=True):
-            gate, up, down = expert_linears(experts, group[0])
+            gate, up, down = experts.expert_linears(group[0])
             outs.append(down(F.silu(gate(h[0])) * up(h[0]))[None])
         return outs
-    stacks = (experts.gate_proj, experts.up_proj, experts.down_proj)
-    if torch.is_grad_enabled() and experts.gate_proj.requires_grad:
+    if torch.is_grad_enabled() and stacks[0].requires_grad:
         views = [StackSlices.apply(stack, groups) for stack in stacks]
     else:  # no gradient to route: plain views (the autograd Function costs about 20 us a call)
         views = [[stack[group_span(group)] for group in groups] for stack in stacks]
@@ -102,17 +93,27 @@ def run_groups(experts, groups: list[tuple[int, ...]], blocks: list[torch.Tensor
             for h, gate, up, down in zip(blocks, *views, strict=True)]
 
 
-def grouped_experts(experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Every chosen expert's output: x [B, T, D], idx [B, T, k] (of ``experts``, a ``RoutedExperts``) ->
-    [B, T, k, D], slot s of token (b, t) holding expert idx[b, t, s]'s SwiGLU of x[b, t]. On a GPU without a host sync
-    where it can (``sorted_experts``, ``indexed_experts``), else in pairs (``paired_experts``)."""
+def run_experts(impl: str, experts: Experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Every chosen expert's output by the path ``impl`` (``moe.choose_experts``' name): x [B, T, D], idx [B, T, k] ->
+    [B, T, k, D], slot s of token (b, t) holding expert idx[b, t, s]'s SwiGLU of x[b, t]."""
+    if impl == "shapes":  # the meta device: shapes without values (the full K2 without memory)
+        return x.new_empty(*idx.shape, x.shape[-1])
+    run = {"indexed": indexed_experts, "sorted": sorted_experts, "paired": paired_experts}[impl]
+    return run(experts, x, idx)
+
+
+def grouped_experts_impl(experts: Experts, x: torch.Tensor, idx: torch.Tensor) -> str:
+    """How grouped experts run on x's device: on a GPU without a host sync where it can ("sorted" for stacked experts
+    when not training, where ``torch._grouped_mm`` runs grouped; "indexed" for at most as many slots as experts that
+    can be gathered by index), else in pairs ("paired")."""
     if x.device.type != "cpu":
-        training = torch.is_grad_enabled() and experts.stacked and experts.gate_proj.requires_grad
-        if experts.stacked and not training and grouped_mm_runs(x.device, x.dtype):
-            return sorted_experts(experts, x, idx)
-        if idx.numel() <= experts.num_experts and indexable(experts):
-            return indexed_experts(experts, x, idx)  # model/indexed.py
-    return paired_experts(experts, x, idx)
+        stacks = experts.stacks
+        training = torch.is_grad_enabled() and stacks is not None and stacks[0].requires_grad
+        if stacks is not None and not training and grouped_mm_runs(x.device, x.dtype):
+            return "sorted"
+        if idx.numel() <= experts.num_experts and experts.indexable:
+            return "indexed"
+    return "paired"
 
 
 @torch.compiler.assume_constant_result
@@ -123,8 +124,8 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def sorted_experts(experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """As ``grouped_experts``, for stacked experts, with nothing read back to the host: the (token, slot) rows sorted by
+def sorted_experts(experts: Experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """As ``run_experts``, for stacked experts, with nothing read back to the host: the (token, slot) rows sorted by
     expert, and one grouped product per projection (``torch._grouped_mm``) over the stacks, each expert's rows ending
     at an offset computed on the device (an expert without rows is an empty group). A compiled graph traces it whole."""
     B, T, k = idx.shape
@@ -139,26 +140,27 @@ def sorted_experts(experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     def grouped(h: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:  # [N*k, in] through [E, out, in] -> [N*k, out]
         return torch._grouped_mm(h, stack.mT, offs=ends)
 
-    h = F.silu(grouped(rows, experts.gate_proj)) * grouped(rows, experts.up_proj)  # [N*k, I]
-    out = grouped(h, experts.down_proj)  # [N*k, D]
+    gate, up, down = experts.stacks
+    h = F.silu(grouped(rows, gate)) * grouped(rows, up)  # [N*k, I]
+    out = grouped(h, down)  # [N*k, D]
     return torch.empty_like(out).index_copy_(0, order, out).view(B, T, k, D)  # back to slot order
 
 
 @torch.compiler.disable
-def paired_experts(experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """As ``grouped_experts``, experts of similar load in pairs (the module docstring), reading which experts run back
+def paired_experts(experts: Experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """As ``run_experts``, experts of similar load in pairs (the module docstring), reading which experts run back
     to Python once."""
     B, T, k = idx.shape
     D = x.shape[-1]
     x, flat = x.reshape(B * T, D), idx.reshape(-1)  # [N, D], [N*k] expert of each (token, slot)
     if B * T == 1:  # one token: every chosen expert reads its row; nothing to sort or gather
         chosen = flat.tolist()  # k distinct experts, in slot order
-        groups = expert_groups([int(e in chosen) for e in range(experts.num_experts)], experts.stacked)
+        groups = expert_groups([int(e in chosen) for e in range(experts.num_experts)], experts.stacks is not None)
         outs = run_groups(experts, groups, [x.expand(len(group), 1, D) for group in groups])  # [g, 1, D] each
         out = dict(zip(itertools.chain(*groups), torch.cat(outs).unbind(), strict=True))  # expert -> [1, D]
         return torch.cat([out[e] for e in chosen]).view(B, T, k, D)
     counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
-    groups = expert_groups(counts, experts.stacked)
+    groups = expert_groups(counts, experts.stacks is not None)
     # The rows a group of g experts reads are one [g, m, D] block, m the group's largest count: expert j's rows start
     # at j*m, and the rows past its count are padding (token 0's row, whose outputs are never read).
     sorted_start = [0, *itertools.accumulate(counts)][:-1]  # [E] where expert e's rows begin among the sorted slots

@@ -1,14 +1,14 @@
 """Speed room: each slot's expert read by index, with no expert id read back to Python.
 
-Replaces ``MoE``'s reference loop (and ``dispatch.py``'s grouping) inside a ``torch.compile`` graph with at most as
+Replaces ``MoE``'s reference loop (and grouped_experts.py's grouping) inside a ``torch.compile`` graph with at most as
 many (token, slot) pairs as there are experts, which is a decode step (``generate(compile=True)``), and on a GPU for a
-decode step of experts held quantized (``dispatch.grouped_experts``). The loop and the grouping read back to Python
-which experts run; a compiled graph cannot, and would break or recompile for every choice, and on a GPU each read is
-a host sync. Here the chosen matrices are indexed with the routing tensor itself:
+decode step of experts held quantized (``grouped_experts.grouped_experts_impl``). The loop and the grouping read back to
+Python which experts run; a compiled graph cannot, and would break or recompile for every choice, and on a GPU each read
+is a host sync. Here the chosen matrices are indexed with the routing tensor itself:
 
 - stacked experts: ``gate_proj[idx]``. Eagerly that would copy the chosen matrices first (three times the bytes), but
   compiled, the indexing and the products fuse into kernels that read each chosen matrix in place;
-- experts held quantized (FP8, INT4: ``chosen_weights``): the stored values and scales are gathered by index and
+- experts held otherwise (FP8, INT4: ``Experts.chosen_weights``): the stored values and scales are gathered by index and
   dequantized. Compiled, each product is written as a multiply and a sum, which inductor fuses with the gather and the
   dequantization into one reduction: each chosen matrix is read once, as stored, and no dequantized copy is written.
 
@@ -18,26 +18,26 @@ float32 rounding.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-
-def indexable(experts) -> bool:
-    """Whether ``experts`` (a RoutedExperts) can be read by index: stacks held here, or quantized stacks that gather and
-    dequantize what an index chooses (``chosen_weights``); not streamed experts, which read their files per expert."""
-    return experts.stacked or callable(getattr(experts, "chosen_weights", None))
+if TYPE_CHECKING:
+    from ..moe import Experts
 
 
-def indexed_experts(experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x [B, T, D], idx [B, T, k] -> each slot's expert output [B, T, k, D] (``experts`` ``indexable``)."""
-    if not experts.stacked:
+def indexed_experts(experts: Experts, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, T, D], idx [B, T, k] -> each slot's expert output [B, T, k, D] (``experts.indexable``)."""
+    stacks = experts.stacks
+    if stacks is None:
         gate, up, down = experts.chosen_weights(idx)  # [B, T, k, I, D], [B, T, k, I, D], [B, T, k, D, I]
         rows = x[:, :, None]  # [B, T, 1, D]
         h = F.silu(row_products(rows, gate)) * row_products(rows, up)  # [B, T, k, I]
         return row_products(h, down)  # [B, T, k, D]
-    gate, up = experts.gate_proj[idx], experts.up_proj[idx]  # [B, T, k, I, D]
+    gate, up = stacks[0][idx], stacks[1][idx]  # [B, T, k, I, D]
     h = F.silu(torch.einsum("btd,btkid->btki", x, gate)) * torch.einsum("btd,btkid->btki", x, up)  # [B, T, k, I]
-    return torch.einsum("btki,btkdi->btkd", h, experts.down_proj[idx])  # [B, T, k, D]
+    return torch.einsum("btki,btkdi->btkd", h, stacks[2][idx])  # [B, T, k, D]
 
 
 def row_products(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -9,35 +9,39 @@ and its shapes change from prompt to prompt).
   step grows it).
 
 Both compile with ``fullgraph=True``: the step is one graph or an error, never a silent break, so nothing inside it
-reads a value back to the host. What cannot be compiled runs eagerly, after a warning that names why
-(``eager_reason``): a model something observes (hooks cannot run inside a graph), or experts made from files as they
-run (streamed). So does a step past torch.compile's recompile limit (``torch._dynamo.config.recompile_limit``
-graphs of one function, 8 by default: as many models, dtypes or batch sizes in one process), which ``fullgraph=True``
-turns from a silent eager fallback into an error.
-"""
+reads a value back to the host. What cannot be compiled runs eagerly, after a warning that names why (``eager_reason``):
+a model something observes (hooks cannot run inside a graph), experts made from files as they run (streamed), or a model
+whose speed rooms are off (``K2Model.speed``: compiling is one of them). So does a step past torch.compile's recompile
+limit (``torch._dynamo.config.recompile_limit`` graphs of one function, 8 by default: as many models, dtypes or batch
+sizes in one process), which ``fullgraph=True`` turns from a silent eager fallback into an error. """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from .attention import AttnImpl, LatentCache, choose_attn_impl
-from .indexed import indexable
+from ..attention import AttnImpl, LatentCache, choose_attn_impl
+from ..moe import MoE
 from .static_decode import StaticCache, static_decode_step
-from .transformer import K2Model
+
+if TYPE_CHECKING:
+    from ..transformer import K2Model
 
 
-def eager_reason(model: K2Model, observed: bool) -> str | None:
-    """Why ``model``'s decode step cannot be compiled whole (None: it can). ``observed``: ``model.is_observed()``."""
-    if observed:
-        return ("something observes this model (model.is_observed(): a hook on a probe or module, a wrapper, a "
-                "spliced module), and hooks cannot run inside a compiled graph; detach it (model.reset_hooks() for "
-                "k2lab's hooks) to compile")
+def eager_reason(model: K2Model) -> str | None:
+    """Why ``model``'s decode step cannot be compiled whole (None: it can)."""
+    if not model.speed:
+        return "the speed rooms are off (model.speed is False), and a compiled step is one of them"
+    if model.is_observed():
+        return ("something observes this model (model.is_observed(): a hook on a probe or module, a wrapper such as "
+                "nnsight's, a spliced module), and hooks cannot run inside a compiled graph; detach it "
+                "(model.reset_hooks() for k2lab's hooks) to compile")
     for i, layer in enumerate(model.layers):
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is not None and not indexable(experts):
+        experts = layer.mlp.experts if isinstance(layer.mlp, MoE) else None
+        if experts is not None and not experts.indexable:
             return (f"layer {i}'s routed experts ({type(experts).__name__}) make each expert's matrices as it runs "
                     "(streamed from files), which a compiled step cannot read by index")
     return None
@@ -48,6 +52,7 @@ def compiled_decode_step(model: K2Model, cache: LatentCache, attn_impl: AttnImpl
     """The decode step after a prefill into ``cache``: new ids [B, 1] -> float32 logits [B, 1, V], compiled (the first
     call compiles: tens of seconds). The logits of a CUDA graph are overwritten by the next step: read them first."""
     devices = {layer.input_layernorm.weight.device for layer in model.layers} | {model.device}
+    model.rotary.grow(model.device, cache.storage[0].shape[1])  # every position the step reaches, before the graph
     if devices == {cache.device} and cache.device.type == "cuda":
         static = StaticCache(model, cache)
         path = choose_attn_impl(attn_impl, 1, cache.length, model.config.kv_lora_rank)

@@ -11,8 +11,8 @@ number (the new token's position and where it is written). Here, for one new tok
   written, each row's next position and which slots hold real tokens are device tensors, which the step updates in
   place;
 - ``static_decode_step`` runs the model's own modules over it, as ``K2Model.forward`` does: embed, every block
-  (``DecoderLayer``) on the given attention path, final norm and head; only the rotary angles and the key mask are
-  made here, from those device tensors.
+  (``DecoderLayer``) on the given attention path, final norm and head; only the key mask is made here, from those
+  device tensors, and each row's cos and sin are read from the model's rotary table (rope.py) at its position.
 
 The cost: each step attends over the whole reserved capacity, the unwritten positions included. The logits equal the
 plain step's to float32 rounding (tests/model/test_compiled_quantized_decode.py).
@@ -20,11 +20,14 @@ plain step's to float32 rounding (tests/model/test_compiled_quantized_decode.py)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .attention import LatentCache
-from .rope import cos_sin_scale, inverse_frequencies
-from .transformer import K2Model
+from ..attention import LatentCache
+
+if TYPE_CHECKING:
+    from ..transformer import K2Model
 
 
 class StaticCache:
@@ -45,8 +48,8 @@ class StaticCache:
         self.real[:, : cache.length] = True if cache.token_mask is None else cache.token_mask[:, : cache.length]
         self.positions = self.real.sum(-1)  # [B] the next token's position: its row's real tokens so far
         self.slot = torch.tensor([cache.length], device=device)  # [1] where the next token is written
-        self.inv_freq, self.rope_scale = inverse_frequencies(model.config).to(device), cos_sin_scale(model.config)
-        for tensor in (*self.buffers, self.real, self.positions, self.slot):
+        self.cos, self.sin = model.rotary.grow(device, self.capacity)  # [N, R] every position a step can reach
+        for tensor in (*self.buffers, self.real, self.positions, self.slot, self.cos, self.sin):
             torch._dynamo.mark_static_address(tensor)  # a CUDA graph reads and writes them where they are
 
     @property
@@ -61,10 +64,9 @@ class StaticCache:
         return self.buffers[layer].index_copy_(1, self.slot, entries)
 
     def rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [B, 1, R] at each row's next position (as ``K2Model.rotary_and_mask`` makes them)."""
-        angles = self.positions.to(torch.float32)[:, None, None] * self.inv_freq  # [B, 1, R/2]
-        angles = torch.cat((angles, angles), dim=-1)  # [B, 1, R]
-        return angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
+        """cos and sin [B, 1, R] at each row's next position: the rotary table's rows, as ``prepare_inputs`` reads
+        them."""
+        return self.cos[self.positions][:, None], self.sin[self.positions][:, None]
 
 
 def static_decode_step(model: K2Model, ids: torch.Tensor, cache: StaticCache, attn_impl: str) -> torch.Tensor:

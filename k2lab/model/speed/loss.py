@@ -1,7 +1,9 @@
-"""Speed room: next-token cross-entropy through the untied head, a few rows at a time.
+"""Speed room: next-token cross-entropy through the untied head, a few rows at a time; and the loss ``K2Model.forward``
+returns, which chooses between that and the plain cross-entropy of the whole logits.
 
-Replaces ``F.cross_entropy(model.head(x), targets)`` in ``K2Model.forward``'s loss when no logits are returned or
-probed (``return_type="loss"``, which training calls).
+``next_token_loss`` is ``forward``'s loss (``return_type="loss" | "both"``). When no logits are returned or probed
+(``return_type="loss"``, which training calls) it runs ``head_loss``, which replaces
+``F.cross_entropy(model.head(x), targets)`` by ``head_cross_entropy``:
 
 A training batch's logits are big and short-lived: 16 x 256 tokens over K2-nano's 8,192 ids is a
 [4096, 8192] float32 tensor, 134 MB, that the head writes, log-softmax reads and writes again, and the
@@ -20,12 +22,63 @@ incoming gradient in the backward; without autograd (evaluation) only the loss i
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Literal
+
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.autograd.function import once_differentiable
+
+if TYPE_CHECKING:
+    from ..inputs import Inputs
+    from ..transformer import K2Model
+
+ReturnType = Literal["logits", "loss", "both"]
 
 # Rows per chunk: 256 rows of 8,192 float32 logits are 8 MB, well inside a CPU's last-level cache (the fastest of
 # 128 / 256 / 512 / 1,024 rows on K2-nano's head on a 2-core AVX2 CPU).
 CHUNK_ROWS = 256
+
+
+def next_token_loss(model: K2Model, x: torch.Tensor, inputs: Inputs, return_type: ReturnType, per_token: bool
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``K2Model.forward``'s loss from the last residual x [B, T, D]: the cross-entropy in nats of each next token, over
+    the positions whose token and next token are both real (``inputs.mask``); the mean, or [B, T - 1] when
+    ``per_token`` (0 where excluded); ``return_type="both"``: (logits, loss)."""
+    ids, mask = inputs.ids, inputs.mask
+    if ids.shape[1] < 2:
+        raise ValueError(f"a next-token loss needs at least 2 tokens per row; got {ids.shape[1]}")
+    targets = ids[:, 1:]  # [B, T-1]
+    scored = torch.ones_like(targets, dtype=torch.bool)  # [B, T-1] token and target both real
+    if mask is not None:
+        scored = mask[:, 1:] & mask[:, :-1]
+        if not torch.compiler.is_compiling() and scored.device.type != "meta" and not scored.any():
+            raise ValueError("no position has both a real token and a real next token (attention_mask)")
+    if return_type == "loss" and not per_token and model.speed and not model.hook_logits.active:  # never hold logits
+        last = torch.zeros_like(scored[:, :1])  # the last position predicts nothing
+        return head_loss(model, x, torch.cat((targets, last.long()), 1), torch.cat((scored, last), 1)).to(ids.device)
+    logits = model.head(x).to(ids.device)  # [B, T, V]
+    per_position = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none")
+    loss = per_position.view_as(targets) * scored  # [B, T-1]
+    loss = loss if per_token else loss.sum() / scored.sum().clamp(min=1)
+    return loss if return_type == "loss" else (logits, loss)
+
+
+def head_loss(model: K2Model, x: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor | None = None,
+              reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy in nats of ``targets`` [B, T] (the token each position predicts) under the logits of the last
+    residual x [B, T, D], over the positions ``scored`` [B, T] bool (all when None), "mean" or "sum". The final norm
+    runs as ``K2Model.head`` runs it; a plain head then runs chunk by chunk (``head_cross_entropy``: the [B, T, V]
+    logits are never held); a quantized head, or any head with the speed rooms off, through its whole logits."""
+    hidden = model.norm.hook_out(model.norm(x.to(model.norm.weight.device)))  # [B, T, D]
+    if scored is not None and hidden.device.type != "meta":  # (on meta, which positions count is unknown: all do)
+        hidden, targets = hidden[scored.to(hidden.device)], targets[scored]  # [N, D], [N]
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if not isinstance(model.lm_head, nn.Linear) or not model.speed:
+        logits = model.lm_head(hidden.to(model.lm_head.weight.device)).float()  # [N, V]
+        return F.cross_entropy(logits, targets.to(logits.device), reduction=reduction)
+    weight = model.lm_head.weight
+    return head_cross_entropy(hidden.to(weight.device), weight, targets.to(weight.device), reduction)
 
 
 def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
