@@ -29,7 +29,7 @@ def graphs() -> tuple[int, int]:
 
 
 @pytest.mark.slow  # compiles
-@torch.inference_mode()
+@torch.no_grad()  # as generate runs its steps: a graph is guarded on the grad mode
 def test_compiled_decode_steps_give_hf_logits_from_one_graph(pair):
     """Eight tokens of prefill (eager), then four compiled steps at growing cache lengths: HF's logits over the whole
     sequence, from one graph compiled once, without a break."""
@@ -39,9 +39,9 @@ def test_compiled_decode_steps_give_hf_logits_from_one_graph(pair):
     cache = ours.new_cache(1, capacity=12)
     ours(ids[:, :8], cache=cache)
     compiled = torch.compile(ours, dynamic=True)
-    # Called as generate calls it (a [1, 1] token with unit strides, the same keywords), so that its steps find this
-    # graph (dynamo would otherwise tie the cache capacity to the strides of a slice of a 12-token row).
-    steps = [compiled(ids[0, t].view(1, 1), cache=cache, attn_impl="auto", attention_mask=None)
+    # Called as generate calls it (a [1, 1] token of its own, no view of a 12-token row whose size dynamo would tie to
+    # the cache's capacity of 12; the same keywords), so that generate's steps find this graph.
+    steps = [compiled(ids[0, t].view(1, 1).clone(), cache=cache, attn_impl="auto", attention_mask=None)
              for t in range(8, 12)]
     assert cache.length == 12
     assert relative_error(torch.cat(steps, dim=1), expected) < 1e-5
