@@ -332,7 +332,7 @@ def nano_generate(device: torch.device, new_tokens: int) -> dict[str, float]:
     rates = {}
     for label, compile in (("eager", False), ("compiled", True)):
         def run(compile=compile):
-            return k2lab.generate(model, ids, new_tokens, eos_token_id=-1, compile=compile)
+            return k2lab.generate(model, ids, new_tokens, stop_at_eos=False, compile=compile)
         rates[label] = new_tokens / seconds(run, device, rounds=3)
     torch._dynamo.reset()
     return rates

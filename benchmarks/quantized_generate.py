@@ -40,7 +40,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             save_checkpoint(model, folder, format=fmt)
             held = k2lab.load(folder, dtype=torch.float32, quantized_resident=True)
-        runs = {way: partial(k2lab.generate, held, ids, NEW_TOKENS, eos_token_id=-1, compile=way == "compiled")
+        runs = {way: partial(k2lab.generate, held, ids, NEW_TOKENS, stop_at_eos=False, compile=way == "compiled")
                 for way in ("eager", "compiled")}
         same = torch.equal(runs["eager"](), runs["compiled"]())  # also compiles the step before timing
         times = alternate_threads(runs, threads, ROUNDS)

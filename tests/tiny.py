@@ -41,7 +41,7 @@ class UnstackedExperts(RoutedExperts):
     @classmethod
     def of(cls, experts: RoutedExperts, cfg: K2Config) -> UnstackedExperts:
         unstacked = cls(cfg)
-        unstacked.load_state_dict(experts.state_dict())
+        unstacked.load_state_dict(experts.state_dict(), assign=True)  # the same tensors: their dtype and device
         return unstacked
 
 

@@ -74,8 +74,10 @@ def ablate_experts(model: K2Model, experts: Mapping[int, int | Iterable[int]], m
     ``reference`` is token ids [B', T'] (run once on entry, under whatever hooks are attached then, with
     ``reference_mask`` [B', T'] as its attention mask) or an ActivationCache holding
     ``layers.{l}.post_attention_layernorm.hook_out`` [B', T', D] of every ablated layer; ``reference_mask`` (1 for a
-    token, 0 for a pad) leaves pads out of the reference tokens in both cases. The experts run through their own
-    ``expert_weights`` (stacked, quantized or streamed alike); resample keeps each ablated expert's outputs on all
+    token, 0 for a pad) leaves pads out of the reference tokens in both cases. Without one, the pads are those the
+    reference's forward left out: the mask a cache kept, or the one the forward infers for ids ([PAD]s at a row's edges,
+    as ``model(ids)`` infers it). A reference whose answers hold NaN or inf is refused. The experts run through their
+    own ``expert_weights`` (stacked, quantized or streamed alike); resample keeps each ablated expert's outputs on all
     reference tokens, [tokens, D].
     """
     if mode not in get_args(AblationMode):
@@ -97,6 +99,9 @@ def ablate_experts(model: K2Model, experts: Mapping[int, int | Iterable[int]], m
     for layer, ids in experts.items():
         layer, moe = _moe_block(model, layer)
         chosen.append((layer, moe, sorted(set(_expert_ids(moe, [ids] if _is_int(ids) else ids, layer)))))
+        if not chosen[-1][2]:
+            raise ValueError(f"experts[{layer}] names no expert ({ids!r}): give the experts to ablate at layer "
+                             f"{layer}, or leave the layer out")
     fwd_hooks: list[tuple[str, HookFn]] = []
     if needs_reference and chosen:
         inputs = _reference_inputs(model, sorted({layer for layer, _, _ in chosen}), reference, reference_mask)
@@ -128,18 +133,32 @@ def _reference_inputs(model: K2Model, layers: list[int], reference: torch.Tensor
         got = reference_mask.dtype if isinstance(reference_mask, torch.Tensor) else type(reference_mask).__name__
         raise TypeError(f"reference_mask must be an integer or bool tensor [B, T] (1 = token, 0 = pad), got {got}")
     if isinstance(reference, torch.Tensor):
-        with torch.no_grad():
-            _, reference = model.run_with_cache(reference, names=list(names.values()), attention_mask=reference_mask)
+        try:
+            with torch.no_grad():
+                _, reference = model.run_with_cache(reference, names=list(names.values()),
+                                                    attention_mask=reference_mask)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"reference=: {err}".replace("input_ids", "the reference ids").replace(
+                "attention_mask", "reference_mask")) from None
     elif not isinstance(reference, Mapping):
         raise TypeError(f"reference must be token ids [B, T] (a tensor) or an ActivationCache, got "
                         f"{type(reference).__name__}")
+    if reference_mask is None:  # the pads the reference's forward left out (given, made for text, or inferred)
+        reference_mask = getattr(reference, "mask", None)
     missing = [name for name in names.values() if name not in reference]
     if missing:
         raise KeyError(f"reference lacks {missing}: record them with model.run_with_cache(reference_ids, "
                        f"names={missing!r}), or pass the reference ids")
     inputs = {}
+    width = model.config.hidden_size
     for layer, name in names.items():
         x = reference[name]  # [B', T', D]
+        if x.dim() != 3 or x.shape[-1] != width:
+            raise ValueError(f"reference[{name!r}] is {tuple(x.shape)}, but the model's {name} is [B, T, {width}]: "
+                             f"the reference was recorded from another model")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"reference[{name!r}] holds NaN or inf at {int((~torch.isfinite(x)).any(-1).sum())} "
+                             f"token(s): an expert's answer to it would be NaN too, and so would the ablated logits")
         if reference_mask is None:
             inputs[layer] = x.flatten(0, 1)
             continue

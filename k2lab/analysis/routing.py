@@ -209,12 +209,15 @@ class RoutingTrace:
         missing = [name for i in layers for p in _GATE_PROBES if (name := f"layers.{i}.mlp.gate.{p}") not in cache]
         if missing:
             raise KeyError(f"a routing trace needs the gate probes of every MoE layer; missing e.g. {missing[:3]}")
-        indices, weights = cache.stack("gate.hook_topk_idx"), cache.stack("gate.hook_topk_weights")
-        scores, choice = cache.stack("gate.hook_scores"), cache.stack("gate.hook_choice_scores")
+        indices, weights, scores, choice = (cache.stack_present(f"gate.{leaf}")[1] for leaf in (
+            "hook_topk_idx", "hook_topk_weights", "hook_scores", "hook_choice_scores"))  # [L_moe, B, T, ...]
         best = group_best(cfg.topk_method)
         unbiased = select_experts(scores, indices.shape[-1], cfg.n_group, cfg.topk_group, best)  # [L_moe, B, T, k]
         flips = (indices.sort(-1).values != unbiased.sort(-1).values).any(-1)  # [L_moe, B, T]
-        return cls(layers, indices, weights, scores, choice, unbiased, flips)
+        tr = cls(layers, indices, weights, scores, choice, unbiased, flips)
+        if cache.mask is not None:  # the pads the forward ran with: the trace's metrics and tables skip them
+            tr.token_mask = cache.mask.to(indices.device)
+        return tr
 
 
 @torch.no_grad()

@@ -18,7 +18,8 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     """Next token per row from last-position logits [B, V] -> [B]. Greedy (argmax) when temperature is 0."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    # The best logit first subtracted: a tiny temperature then sends the others to -inf, not inf - inf = NaN.
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -71,12 +72,14 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              eos_token_id: int | None = None, attn_impl: AttnImpl = "auto",
              tokenizer: Tokenizer | None = None, token_healing: bool = False,
-             attention_mask: torch.Tensor | None = None, compile: bool = False) -> torch.Tensor | str | list[str]:
+             attention_mask: torch.Tensor | None = None, compile: bool = False, stop_at_eos: bool = True
+             ) -> torch.Tensor | str | list[str]:
     """Continue ``input_ids`` [B, T] by up to ``max_new_tokens`` tokens -> [B, T + n], n <= max_new_tokens.
 
     Greedy when ``temperature`` is 0; otherwise samples from softmax(logits / temperature) restricted by
     ``top_k`` and ``top_p``, reproducibly for a given ``seed``. A row stops at the eos id (the config's unless
     given) and is padded with it while other rows go on; generation ends when every row has stopped.
+    ``stop_at_eos=False`` (TransformerLens's switch) generates ``max_new_tokens`` for every row, past any eos.
 
     A padded batch: ``attention_mask`` [B, T] (1 = token, 0 = pad); ids given without one are masked as the model's
     forward masks them (``K2Model.infer_attention_mask``: [PAD] tokens at a row's edges). Each row continues from its
@@ -121,8 +124,19 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
         if tokenizer is None:
             tokenizer = model.require_tokenizer("generate on text")
         input_ids, attention_mask = tokenizer.encode_padded([text] if isinstance(text, str) else list(text))
-    ids = torch.as_tensor(input_ids, device=model.device)
+    try:
+        ids = torch.as_tensor(input_ids, device=model.device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"input_ids must be token ids [B, T] of one length per row (a tensor, or lists of int of "
+                         f"equal length: pad them, e.g. tokenizer.encode_padded), or text (a string, or a list of "
+                         f"strings only); got {str(input_ids)[:80]}") from None
     ids = ids[None] if ids.dim() == 1 else ids
+    if ids.dim() != 2 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold at least one token id per row, [B, T] integers; got {ids.dtype} "
+                         f"{tuple(ids.shape)}" + (" (the text encodes to no token)" if text is not None else ""))
+    if ids.shape[1] + max_new_tokens - 1 > model.config.max_position_embeddings:  # the last token is not fed back
+        raise ValueError(f"the prompt's {ids.shape[1]} tokens plus max_new_tokens={max_new_tokens} exceed the "
+                         f"model's max_position_embeddings={model.config.max_position_embeddings}: shorten one")
     mask = None
     if attention_mask is not None:
         mask = check_attention_mask(attention_mask, *ids.shape).to(ids.device)  # [B, T] bool
@@ -141,6 +155,13 @@ def generate(model: K2Model, input_ids: torch.Tensor | str | list[str], max_new_
         allowed = healing_mask(tokenizer, ids[:, -1].tolist(), model.config.vocab_size).to(ids.device)
         ids, mask = ids[:, :-1], None if mask is None else mask[:, :-1]
     eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
+    vocab = model.config.vocab_size
+    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab):
+        raise ValueError(f"eos_token_id must be a token id in 0..{vocab - 1} (or None for the config's), got {eos!r}; "
+                         f"to generate past every eos, pass stop_at_eos=False")
+    if not isinstance(stop_at_eos, bool):
+        raise ValueError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
+    eos = eos if stop_at_eos else None
     generator = None
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
@@ -187,6 +208,10 @@ def _decode(model: K2Model, ids: torch.Tensor, mask: torch.Tensor | None, allowe
             step = step or compiled_decode_step(model, cache, attn_impl)  # speed/compiled_decode.py
             logits = step(step_input)  # [B, 1, V]
         logits = logits[torch.arange(B, device=ids.device), last]  # [B, V]
+        if bool(logits.isnan().any()):
+            row = int(logits.isnan().any(-1).nonzero()[0])
+            raise ValueError(f"the model's logits hold NaN at step {i} (row {row}): no token can be chosen from them; "
+                             f"check the weights (torch.isfinite) and any hooks")
         if allowed is not None:
             logits, allowed = logits.masked_fill(~allowed, float("-inf")), None
         token = sample_next(logits, temperature, top_k, top_p, generator)  # [B]

@@ -11,8 +11,10 @@ nothing attached, PyTorch's call goes straight to ``forward``, an empty loop and
 (attention patterns) are computed only when something reads their probe (``HookPoint.active``).
 
 Selecting probes, everywhere a selector is taken (``run_with_cache(names=)``, ``hooks(fwd_hooks=[(selector, fn)])``,
-``interventions.patch``): an exact name, a substring of names (``"hook_resid_post"``), a predicate on the name, or
-a list of any of these. Short TransformerLens-style names: ``get_act_name("resid_post", 3)``.
+``interventions.patch``): an exact name, a run of whole name components (``"hook_resid_post"``: every layer's;
+``"layers.1"``: layer 1's probes, not layers 10-19's; ``"mlp.gate"``), a predicate on the name, or a list of any of
+these. A part of a component (``"hook_resid"``) selects nothing and raises with the closest names. Short
+TransformerLens-style names: ``get_act_name("resid_post", 3)``.
 
     logits, cache = model.run_with_cache(ids, names="hook_resid_post")     # read (see activation_cache.py)
     with model.hooks(fwd_hooks=[("layers.1.hook_attn_out", lambda t, hook: 0 * t)]):
@@ -21,7 +23,9 @@ a list of any of these. Short TransformerLens-style names: ``get_act_name("resid
         model(ids, return_type="loss").backward()                          # gradients, inside the block
 
 TransformerLens's spellings work too: ``model.run_with_hooks(ids, fwd_hooks=[...])`` (one forward inside such a
-block), ``model.add_hook(selector, fn, dir="fwd" | "bwd")`` (attached until ``model.reset_hooks()``).
+block), ``model.add_hook(selector, fn, dir="fwd" | "bwd")`` (attached until ``model.reset_hooks()``, which detaches
+every hook but those of a block still open: a ``hooks`` block, and the interventions and splices built on it, hold
+until they exit, as TransformerLens keeps spliced SAEs through ``reset_hooks()``).
 """
 
 from __future__ import annotations
@@ -104,6 +108,14 @@ def get_act_name(name: str, layer: int | None = None) -> str:
                    f"(short names: {sorted(LAYER_PROBES)} per layer, {sorted(MODEL_PROBES)} for the model)")
 
 
+def has_components(name: str, selector: str) -> bool:
+    """Whether the dotted ``selector`` is a run of whole components of the probe ``name``: ``"layers.1"`` and
+    ``"hook_resid_post"`` of ``"layers.1.hook_resid_post"``, but not ``"layers.1"`` of ``"layers.12.hook_z"`` nor
+    ``"hook_resid"`` of anything."""
+    parts, wanted = name.split("."), selector.strip(".").split(".")
+    return any(parts[i : i + len(wanted)] == wanted for i in range(len(parts) - len(wanted) + 1))
+
+
 def one_selector(names: NameFilter, names_filter: NameFilter) -> NameFilter:
     """``names=`` and TransformerLens' ``names_filter=`` are two spellings of one probe selector: the one given."""
     if names is not None and names_filter is not None:
@@ -116,6 +128,9 @@ def hook_triples(fwd_hooks: Hooks, bwd_hooks: Hooks) -> list[tuple[NameFilter, H
     of any other form raises."""
     triples = []
     for dir, pairs in (("fwd", fwd_hooks), ("bwd", bwd_hooks)):
+        if pairs is None or isinstance(pairs, str | tuple) and len(pairs) == 2 and callable(pairs[1]):
+            raise ValueError(f"{dir}_hooks takes a list of (selector, fn) pairs, e.g. {dir}_hooks=[(name, fn)]; got "
+                             f"{pairs!r}" + (" (one pair: wrap it in a list)" if pairs is not None else ""))
         for pair in pairs:
             if not (isinstance(pair, tuple | list) and len(pair) == 2 and callable(pair[1])):
                 raise ValueError(f"{dir}_hooks takes (selector, fn) pairs with fn(tensor, hook); got {pair!r}")
@@ -125,6 +140,10 @@ def hook_triples(fwd_hooks: Hooks, bwd_hooks: Hooks) -> list[tuple[NameFilter, H
 
 class HookedModule(nn.Module):
     """Mixin for the root model: names every HookPoint by its path and attaches hooks by selector."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._open_blocks: list[list[tuple[list[HookFn], HookFn]]] = []  # what each open ``hooks`` block attached
 
     def name_hook_points(self) -> None:
         self._hook_points = {name: m for name, m in self.named_modules() if isinstance(m, HookPoint)}
@@ -161,9 +180,10 @@ class HookedModule(nn.Module):
         return self._hook_points[name]
 
     def select_hook_names(self, names: NameFilter) -> list[str]:
-        """Probe names chosen by ``names``: None (all), an exact name, a substring, a predicate, or a list of these
-        (their union, in module order); TransformerLens's ``blocks.{i}.`` spellings work (``canonical_probe_name``).
-        A selector that matches nothing raises with the closest names."""
+        """Probe names chosen by ``names``: None (all), an exact name, a run of whole name components (``"layers.1"``:
+        layer 1's probes; ``"hook_z"``: every layer's), a predicate, or a list of these (their union, in module order);
+        TransformerLens's ``blocks.{i}.`` spellings work (``canonical_probe_name``). A selector that matches nothing
+        raises with the closest names."""
         if names is None:
             return self.hook_names()
         if callable(names):
@@ -175,7 +195,7 @@ class HookedModule(nn.Module):
             names = canonical_probe_name(names)
             if names in self._hook_points:
                 return [names]
-            found = [n for n in self._hook_points if names in n]
+            found = [n for n in self._hook_points if has_components(n, names)]
             if not found:
                 self.hook_point(names)  # raises with suggestions
             return found
@@ -196,13 +216,15 @@ class HookedModule(nn.Module):
         ...     logits = model(ids)
         """
         attached: list[tuple[list[HookFn], HookFn]] = []
+        self._open_blocks.append(attached)  # what reset_hooks() keeps
         try:
             for selector, fn, dir in hook_triples(fwd_hooks, bwd_hooks):
                 attached += [(fns, fn) for fns in self._attach(selector, fn, dir)]
             yield
         finally:
+            self._open_blocks = [block for block in self._open_blocks if block is not attached]
             for fns, fn in reversed(attached):
-                if any(f is fn for f in fns):  # reset_hooks() inside the block may have removed it already
+                if any(f is fn for f in fns):  # a splice closed inside the block may have taken its probe away
                     del fns[max(i for i, f in enumerate(fns) if f is fn)]
 
     def add_hook(self, name: NameFilter, fn: HookFn, dir: Literal["fwd", "bwd"] = "fwd") -> None:
@@ -249,11 +271,22 @@ class HookedModule(nn.Module):
             return self(input_ids, **forward_kwargs)
 
     def reset_hooks(self) -> None:
-        """Detach every function from every probe: the way out when an interactive session lost track of its hooks
-        (and the end of ``add_hook``'s). A ``hooks`` block that is still open exits cleanly afterwards."""
+        """Detach every function that ``add_hook`` (or ``run_with_hooks(reset_hooks_end=False)``) attached to a probe,
+        and any other a session lost track of: the way out of stray hooks. The hooks of a block still open (``with
+        model.hooks(...)``, and the interventions and splices built on it) stay until that block exits, as
+        TransformerLens keeps spliced SAEs through ``reset_hooks()``."""
+        held: dict[tuple[int, int], int] = {}  # (id of a probe's list, id of a function) -> how many open blocks hold
+        for block in self._open_blocks:
+            for fns, fn in block:
+                held[id(fns), id(fn)] = held.get((id(fns), id(fn)), 0) + 1
         for point in self._hook_points.values():
-            point.fns.clear()
-            point.bwd_fns.clear()
+            for fns in (point.fns, point.bwd_fns):
+                kept = []
+                for fn in fns:
+                    if held.get((id(fns), id(fn)), 0) > 0:
+                        held[id(fns), id(fn)] -= 1
+                        kept.append(fn)
+                fns[:] = kept
 
     def run_with_cache(self, input_ids: torch.Tensor | str | list[str], names: NameFilter = None,
                        device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,

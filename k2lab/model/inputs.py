@@ -48,7 +48,7 @@ def prepare_inputs(model: K2Model, input_ids: TextOrIds, attention_mask: torch.T
     ``model.tokenizer`` (a list of strings is left-padded into a batch, with its mask). Ids that are not integer
     [B, T] ids of the vocabulary, or that do not fit the cache or the positions, are refused with the reason. The new
     tokens' mask is recorded in ``cache``."""
-    if isinstance(input_ids, str | list | tuple) and is_text(input_ids):
+    if isinstance(input_ids, (str, list, tuple)) and is_text(input_ids):  # (a tuple: torch 2.7 cannot trace X | Y)
         input_ids, attention_mask = encode_text(model, input_ids, attention_mask)
     try:
         ids = torch.as_tensor(input_ids)

@@ -28,6 +28,7 @@ from torch import nn
 from ..config import K2Config
 from .activation_cache import ActivationCache
 from .attention import AttnImpl, LatentCache, MultiHeadLatentAttention
+from .devices import available_device
 from .hooks import HookedModule, NameFilter
 from .inputs import Inputs, TextOrIds, infer_attention_mask, prepare_inputs
 from .layers import HookPoint, Linear, RMSNorm, SwiGLU
@@ -100,7 +101,7 @@ class K2Model(HookedModule):
             raise ValueError(f"dtype must be a floating-point torch dtype (torch.float32, torch.bfloat16, "
                              f"torch.float16) or None for float32; got {dtype!r}")
         self.config = cfg
-        with check_device(device):
+        with available_device(device, "device"):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             self.embed_tokens.hook_out = HookPoint()  # [B, T, D] token embeddings
             self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
@@ -283,24 +284,13 @@ class K2Model(HookedModule):
                        metric: Callable[[torch.Tensor], torch.Tensor] | None = None,
                        **forward_kwargs) -> tuple[torch.Tensor, ActivationCache]:
         """``HookedModule.run_with_cache`` (the same arguments), its record wrapped in an ``ActivationCache``, which
-        adds the residual-stream analyses (logit lens, decompositions, attribution) to the recorded tensors."""
-        output, record = super().run_with_cache(input_ids, names, device, dtype, names_filter=names_filter,
-                                                incl_bwd=incl_bwd, metric=metric, **forward_kwargs)
-        return output, ActivationCache(record, self)
-
-
-def check_device(device: torch.device | str | int | None) -> torch.device:
-    """A model's ``device=`` (None: the CPU) as a torch.device; one torch cannot read, or this machine lacks, is
-    refused with the devices it has."""
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    count = torch.accelerator.device_count() if accelerator is not None else 0
-    available = ", ".join(["cpu", "meta", *(f"{accelerator.type}:{i}" for i in range(count))])
-    try:
-        parsed = torch.device("cpu" if device is None else device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch.device or a device name such as 'cpu', 'cuda', 'cuda:1' or 'meta'; "
-                         f"got {device!r} (available here: {available})") from None
-    if parsed.type not in ("cpu", "meta") and (accelerator is None or parsed.type != accelerator.type
-                                               or (parsed.index or 0) >= count):
-        raise ValueError(f"device={str(parsed)!r} is not available on this machine (available here: {available})")
-    return parsed
+        adds the residual-stream analyses (logit lens, decompositions, attribution) to the recorded tensors and keeps
+        the attention mask the forward ran with (given, made by the tokenizer for text, or inferred from [PAD]s at
+        the rows' edges): ``cache.mask``, None without pads."""
+        inputs = prepare_inputs(self, input_ids, forward_kwargs.pop("attention_mask", None),
+                                forward_kwargs.get("cache"), forward_kwargs.get("attn_impl", "auto"))
+        output, record = super().run_with_cache(inputs.ids, names, device, dtype, names_filter=names_filter,
+                                                incl_bwd=incl_bwd, metric=metric, attention_mask=inputs.mask,
+                                                **forward_kwargs)
+        mask = None if inputs.mask is None else inputs.mask.to(device if device is not None else inputs.mask.device)
+        return output, ActivationCache(record, self, mask=mask)

@@ -7,12 +7,18 @@ assistant turns emptied to ``<think></think>``), its tool-call sections, DeepSee
 
 The environment matches HF's ``apply_chat_template``: a sandbox (templates come from the Hub and are untrusted),
 ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension (``{% break %}``), a ``tojson`` that does not
-escape HTML and keeps non-ASCII text, ``raise_exception`` and ``strftime_now``.
+escape HTML and keeps non-ASCII text, ``raise_exception`` and ``strftime_now``. The sandbox caps each ``range`` at
+100,000 steps, but not a template's total work: nested loops, or a string multiplied by a huge number, could still run
+for hours or fill memory. So one rendering may run at most ``MAX_TEMPLATE_STEPS`` steps of Python (counted by a trace
+function while it renders: a real layout takes tens of thousands) and build no string or list longer than
+``MAX_TEMPLATE_ITEMS`` by ``*``; past either it stops with the reason. (Under a debugger or a coverage tool, which hold
+the trace function themselves, the step count is left to them.)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -20,6 +26,26 @@ from pathlib import Path
 from typing import Any
 
 TEMPLATE_FILE = "chat_template.jinja"
+# A rendering's budget: steps of Python in all (K2-Thinking's template takes about 17,000 for 40 messages), and the
+# longest string or list ``*`` may make (``"=" * 80``: fine; ``"x" * 10**10``: no).
+MAX_TEMPLATE_STEPS = 2_000_000
+MAX_TEMPLATE_ITEMS = 1_000_000
+
+
+class TemplateTooCostly(ValueError):
+    """A chat template that would do more work than any real layout needs (see the module docstring)."""
+
+
+def _counting(budget: list[int]):
+    """A trace function that counts the steps of the frames it sees against ``budget`` and stops the rendering past
+    it."""
+    def trace(frame, event, arg):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise TemplateTooCostly(f"the chat template ran more than {MAX_TEMPLATE_STEPS:,} steps in one rendering "
+                                    f"(nested loops?); k2lab stops it there")
+        return trace
+    return trace
 
 
 def find_chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
@@ -48,7 +74,21 @@ def _compile(template: str):
                sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    class Budgeted(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):
+            size = (len(left) * right if isinstance(left, str | list | tuple) and isinstance(right, int)
+                    else len(right) * left if isinstance(right, str | list | tuple) and isinstance(left, int)
+                    else None)
+            if size is not None and size > MAX_TEMPLATE_ITEMS:
+                raise TemplateTooCostly(f"the chat template multiplies a sequence to {size:,} items, more than "
+                                        f"{MAX_TEMPLATE_ITEMS:,}; k2lab stops it there")
+            if operator == "**" and isinstance(right, int | float) and abs(right) > 1_000:
+                raise TemplateTooCostly(f"the chat template raises to the power {right}; k2lab stops it there")
+            return super().call_binop(context, operator, left, right)
+
+    env = Budgeted(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return env.from_string(template)
@@ -61,8 +101,16 @@ def render_template(template: str, messages: Sequence[dict], tools: Sequence[dic
     ``thinking``)."""
     messages = json.loads(json.dumps(list(messages)))  # plain data: the template cannot reach the caller's objects
     tools = json.loads(json.dumps(list(tools))) if tools else None
-    return _compile(template).render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                     **variables)
+    compiled = _compile(template)
+    counted = sys.gettrace() is None  # a debugger's or coverage tool's trace function stays in charge
+    if counted:
+        sys.settrace(_counting([MAX_TEMPLATE_STEPS]))
+    try:
+        return compiled.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                               **variables)
+    finally:
+        if counted:
+            sys.settrace(None)
 
 
 def sorted_deep(value: Any) -> Any:

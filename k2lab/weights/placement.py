@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import K2Config
+from ..model.devices import available_device
 from .quant import QuantFormat, resolve_format
 from .schema import checkpoint_tensors
 
@@ -232,15 +233,7 @@ def _as_device(value: Device, where: str | None = None) -> torch.device:
     if device is None:
         forms = _DEVICE_MAP_FORMS if where == "device_map" else "'cpu', 'cuda', 'cuda:N', a GPU index or a torch.device"
         raise ValueError(f"{named} is not a device: use {forms}")
-    if device.type == "cuda":
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not visible:
-            raise ValueError(f"{named}: CUDA is not available here (torch.cuda.is_available() is False); use 'cpu' "
-                             "for the CPU")
-        if (device.index or 0) >= visible:
-            raise ValueError(f"{named}: {device} is not available: {visible} GPU(s) visible (cuda:0 .. "
-                             f"cuda:{visible - 1})")
-    return device
+    return available_device(value, where or "device")  # one this machine has: CUDA, MPS, XPU... named if not
 
 
 def describe_units(units: list[str]) -> str:

@@ -249,12 +249,28 @@ def is_mtp_tensor(name: str, cfg: K2Config) -> bool:
 
 
 def read_weight_map(index: Path) -> dict[str, str]:
-    """Tensor name -> file name, from a safetensors index."""
+    """Tensor name -> file name, from a safetensors index. Every file it names must be a bare file name, in the index's
+    own folder: an entry such as ``../elsewhere/x.safetensors`` or an absolute path is refused, naming the entry, so
+    that an index cannot make a load read any file of the machine."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise CheckpointError(f"{index} is not a safetensors index with a 'weight_map': {err}") from err
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names, got "
+                              f"{type(weight_map).__name__}")
+    for name, file in weight_map.items():
+        if not is_bare_file_name(file):
+            raise CheckpointError(f"{index}: weight_map[{name!r}] = {file!r} is not a file name in the checkpoint's "
+                                  f"folder; an index names its shards by bare file name (model-1-of-61.safetensors)")
     return weight_map
+
+
+def is_bare_file_name(name: object) -> bool:
+    """Whether ``name`` names a file in a folder and nowhere else: a non-empty string with no directory part (no
+    separator, not ``.`` or ``..``, not absolute on any system)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and ":" not in name and "\x00" not in name)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

@@ -368,7 +368,7 @@ def balance_and_loss(bias_edit=None) -> tuple[torch.Tensor, float]:
     """MaxVio per MoE layer [L_moe] and the mean next-token loss (nats) on the batch, under a bias edit."""
     with edit_bias(model, bias_edit or {}):
         logits, routing_cache = model.run_with_cache(batch[:, :-1], names=".mlp.gate.hook_topk_idx")
-    chosen = routing_cache.stack("hook_topk_idx")  # [L_moe, B, T, k]
+    _, chosen = routing_cache.stack_present("hook_topk_idx")  # [L_moe, B, T, k]: the MoE layers' rows
     counts = torch.stack([torch.bincount(c.flatten(), minlength=model.config.n_routed_experts) for c in chosen])
     return routing.max_violation(counts), F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
 
@@ -400,7 +400,7 @@ print(f"loss: {loss_with:.3f} nats/token with the bias, {loss_without:.3f} witho
 # choice) and the filled bars disagree: those are the flips.
 
 # %% tags=["nbval-ignore-output"]
-router_logits = cache.stack("gate.hook_logits")  # [L_moe, B, T, E]
+router_logits = cache.stack_present("gate.hook_logits")[1]  # [L_moe, B, T, E]: the MoE layers' rows
 viz.widgets.router_explorer(tr, tokens, logits=router_logits)
 
 # %% [markdown]

@@ -234,16 +234,20 @@ def _scaled_difference_gradient(model: K2Model, corrupted: torch.Tensor, name: s
 
 
 def _directional_derivative(model: K2Model, corrupted: torch.Tensor, name: str, direction: torch.Tensor) -> float:
-    """d/d alpha metric(run with the probe's activation + alpha * direction) at alpha = 0, in forward mode
-    (torch.func.jvp). The explicit attention softmax (a pattern probe watched) has a forward-mode derivative, the
-    fused kernel has none."""
+    """d/d alpha metric(run with the probe's activation + alpha * direction) at alpha = 0, in forward mode (dual
+    numbers, ``torch.autograd.forward_ad``). The explicit attention softmax (a pattern probe watched) has a
+    forward-mode derivative, the fused kernel has none."""
 
     def along(alpha):
         with model.hooks(fwd_hooks=[(name, lambda a, hook: a + alpha * direction),
                                     ("self_attn.hook_pattern", lambda pattern, hook: None)]):
             return metric(model(corrupted))
 
-    return torch.func.jvp(along, (torch.tensor(0.0),), (torch.tensor(1.0),))[1].item()
+    import torch.autograd.forward_ad as forward_ad
+
+    with forward_ad.dual_level():
+        alpha = forward_ad.make_dual(torch.tensor(0.0), torch.tensor(1.0))
+        return forward_ad.unpack_dual(along(alpha)).tangent.item()
 
 
 def test_per_head_estimates_sum_to_hook_z_and_are_directional_derivatives(model, prompts):

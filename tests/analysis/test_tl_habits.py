@@ -37,7 +37,7 @@ def test_accumulated_resid_stacks_the_stream_before_each_block(run):
     mid, labels = cache.accumulated_resid(layer=2, incl_mid=True, pos=-1, return_labels=True)
     assert labels == ["0_pre", "0_mid", "1_pre", "1_mid", "2_pre"] and mid.shape == (5, 2, 256)
     assert torch.equal(mid[3], cache["layers.1.hook_resid_mid"][:, -1])
-    with pytest.raises(ValueError, match=r"layer must lie in 0..3"):
+    with pytest.raises(ValueError, match=r"layer must be None or -1 \(the final residual\) or an int in 0..3, got 4"):
         cache.accumulated_resid(layer=4)
 
 
@@ -51,5 +51,5 @@ def test_apply_ln_to_stack_splits_the_final_norm_linearly(run):
     # the final entry of the accumulated stream, through the norm, is the final norm's output itself
     lens = cache.accumulated_resid(apply_ln=True)
     assert torch.allclose(lens[-1], cache["norm.hook_out"], atol=1e-5)
-    with pytest.raises(ValueError, match=r"does not end with the final residual's \(2, 256\)"):
+    with pytest.raises(ValueError, match=r"does not end with the residual's \(2, 256\) at pos_slice=-1"):
         cache.apply_ln_to_stack(torch.zeros(3, 2, 7, 256), pos=-1)

@@ -147,7 +147,7 @@ def test_save_refuses_to_write_over_what_is_not_a_cache(cache, tmp_path):
     project = tmp_path / "project"
     project.mkdir()
     (project / "main.py").write_text("print(1)")
-    with pytest.raises(FileExistsError, match="choose a new path or remove it"):
+    with pytest.raises(FileExistsError, match=r"holds \['main.py'\], and a save replaces the whole directory"):
         cache.save(project)
     assert [p.name for p in project.iterdir()] == ["main.py"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import attached
+from tiny import TINY, attached
 
 import k2lab
 
@@ -32,19 +32,27 @@ def test_bad_backward_replacement_is_refused_by_name(model, ids):
     model.zero_grad(set_to_none=True)
 
 
-def test_reset_hooks_inside_a_hooks_block_exits_cleanly(model, ids):
+def test_reset_hooks_inside_a_hooks_block_keeps_the_blocks_hooks_and_detaches_the_rest(model, ids):
+    """A block's hooks hold until the block exits (issue 49, A); reset_hooks() takes add_hook's and stray ones."""
     def outer(t, hook):
         return t * 0
 
+    blocks = 2 * TINY.num_hidden_layers  # hook_attn_out and hook_z of every layer
     with torch.no_grad(), model.hooks(fwd_hooks=[("hook_attn_out", outer)], bwd_hooks=[("hook_z", outer)]):
+        edited = model(ids)
+        model.add_hook("layers.1.hook_mlp_out", outer)
+        model.hook_point("layers.0.hook_mlp_out").fns.append(outer)  # attached by hand: a stray hook
+        assert attached(model) == blocks + 2
         model.reset_hooks()
+        assert attached(model) == blocks
         with model.hooks(fwd_hooks=[("layers.1.hook_mlp_out", outer)]):
-            assert attached(model) == 1
-        assert attached(model) == 0
-        plain = model(ids)
+            model.reset_hooks()  # inside two open blocks: both keep theirs
+            assert attached(model) == blocks + 1
+        assert attached(model) == blocks
+        assert torch.equal(model(ids), edited)
     assert attached(model) == 0
     with torch.no_grad():
-        assert torch.equal(plain, model(ids))
+        assert not torch.equal(model(ids), edited)
 
 
 def test_a_hook_that_runs_the_model_again_is_stopped(model, ids):

@@ -101,10 +101,10 @@ def test_generate_left_padded_batch_equals_each_row_alone(pair, attn_impl):
     _, model = pair
     seqs = rows(5)
     ids, mask = padded(seqs, "left")
-    out = k2lab.generate(model, ids, max_new_tokens=6, attention_mask=mask, attn_impl=attn_impl, eos_token_id=-1)
+    out = k2lab.generate(model, ids, max_new_tokens=6, attention_mask=mask, attn_impl=attn_impl, stop_at_eos=False)
     assert out.shape == (len(seqs), ids.shape[1] + 6)
     for i, s in enumerate(seqs):
-        alone = k2lab.generate(model, s[None], max_new_tokens=6, attn_impl=attn_impl, eos_token_id=-1)[0]
+        alone = k2lab.generate(model, s[None], max_new_tokens=6, attn_impl=attn_impl, stop_at_eos=False)[0]
         assert torch.equal(out[i][-len(alone) :], alone)
         assert torch.equal(out[i][: ids.shape[1]], ids[i])  # the prompt and its pads, where they were
 
@@ -113,9 +113,9 @@ def test_generate_right_padded_batch_continues_each_row_from_its_last_token(pair
     _, model = pair
     seqs = rows(6)
     ids, mask = padded(seqs, "right")
-    out = k2lab.generate(model, ids, max_new_tokens=4, attention_mask=mask, eos_token_id=-1)
+    out = k2lab.generate(model, ids, max_new_tokens=4, attention_mask=mask, stop_at_eos=False)
     for i, s in enumerate(seqs):
-        alone = k2lab.generate(model, s[None], max_new_tokens=4, eos_token_id=-1)[0]
+        alone = k2lab.generate(model, s[None], max_new_tokens=4, stop_at_eos=False)[0]
         assert torch.equal(out[i, ids.shape[1] :], alone[len(s) :])
 
 

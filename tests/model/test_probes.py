@@ -78,7 +78,7 @@ def test_pattern_and_z_agree_between_paths_when_decoding(model):
         for attn_impl in ("naive", "absorbed"):
             cache = model.new_cache(batch_size=2)
             model(ids[:, :8], cache=cache, attn_impl=attn_impl)
-            _, got[attn_impl] = model.run_with_cache(ids[:, 8:], names="layers.2.self_attn.hook_",
+            _, got[attn_impl] = model.run_with_cache(ids[:, 8:], names="layers.2.self_attn",
                                                      cache=cache, attn_impl=attn_impl)
     assert got["naive"]["layers.2.self_attn.hook_pattern"].shape == (2, 4, 1, 9)
     for name in ("layers.2.self_attn.hook_pattern", "layers.2.self_attn.hook_z"):
@@ -170,7 +170,7 @@ def test_replacing_topk_idx_reroutes_and_reweights(model, run):
 def test_replacing_topk_weights_changes_the_routed_sum(model):
     with torch.no_grad():
         with model.hooks(fwd_hooks=[("layers.2.mlp.gate.hook_topk_weights", lambda w, hook: torch.zeros_like(w))]):
-            _, cache = model.run_with_cache(_ids(), names="layers.2.mlp.hook_")
+            _, cache = model.run_with_cache(_ids(), names="layers.2.mlp")
     assert (cache["layers.2.mlp.hook_routed_out"] == 0).all()
 
 
@@ -223,7 +223,9 @@ def test_stack_over_layers(run):
     _, cache = run
     assert cache.stack("hook_resid_post").shape == (3, 2, 7, 256)
     assert torch.equal(cache.stack("hook_resid_post")[1], cache["layers.1.hook_resid_post"])
-    assert cache.stack("gate.hook_topk_idx").shape == (2, 2, 7, 4)  # MoE layers only ...
+    assert cache.stack("gate.hook_topk_idx").shape == (3, 2, 7, 4)  # a row per layer, the dense one's -1 ...
+    assert bool((cache.stack("gate.hook_topk_idx")[0] == -1).all())
+    assert cache.stack_present("gate.hook_topk_idx")[1].shape == (2, 2, 7, 4)  # ... or the MoE layers only,
     assert cache.layer_indices("gate.hook_topk_idx") == [1, 2]  # ... which are these
     assert cache.layer_indices("hook_topk_idx") == [1, 2]
     assert cache.layer_indices("hook_logits") == [1, 2]  # the router's; the model's own is not per layer
@@ -252,7 +254,7 @@ def test_decomposition_sums_to_the_final_residual(run):
     assert parts.moe_layers == [1, 2] and parts.expert_slots.shape == (2, 2, 7, 4, 256)
     assert torch.allclose(parts.expert_slots.sum(-2), parts.routed, atol=1e-6)
     assert torch.allclose(parts.shared + parts.routed, parts.mlp[1:], atol=1e-6)
-    assert torch.equal(parts.expert_ids, cache.stack("gate.hook_topk_idx"))
+    assert torch.equal(parts.expert_ids, cache.stack("gate.hook_topk_idx")[1:])
     by_expert = parts.by_expert(2)  # [E, B, T, D]
     assert by_expert.shape == (16, 2, 7, 256)
     assert torch.allclose(by_expert.sum(0), parts.routed[1], atol=1e-6)
