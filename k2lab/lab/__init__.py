@@ -3,6 +3,8 @@ K2-nano (``load_nano``), shipped as package data in ``k2lab/lab/assets``, the ru
 exercises' check functions (``exercises``)."""
 
 from . import exercises
+from .answers import folded
+from .learner import mine
 from .nano import NANO_DIR, load_nano, save_checkpoint
 from .settings import NANO, PROMPT, LabSettings, describe, load_model, setup_notebook, tokenizer
 
@@ -10,3 +12,4 @@ __all__ = [
     "NANO", "NANO_DIR", "PROMPT", "LabSettings", "describe", "exercises", "load_model", "load_nano", "save_checkpoint",
     "setup_notebook", "tokenizer",
 ]
+__all__ += ["folded", "mine"]
