@@ -4,6 +4,7 @@ exercises' check functions (``exercises``)."""
 
 from . import exercises
 from .answers import folded
+from .hf_compare import hf_deepseek_v3
 from .learner import mine
 from .nano import NANO_DIR, load_nano, save_checkpoint
 from .settings import NANO, PROMPT, LabSettings, describe, load_model, setup_notebook, tokenizer
@@ -12,4 +13,4 @@ __all__ = [
     "NANO", "NANO_DIR", "PROMPT", "LabSettings", "describe", "exercises", "load_model", "load_nano", "save_checkpoint",
     "setup_notebook", "tokenizer",
 ]
-__all__ += ["folded", "mine"]
+__all__ += ["folded", "hf_deepseek_v3", "mine"]

@@ -138,7 +138,7 @@ def reference_yarn(cfg: K2Config) -> tuple[torch.Tensor, float]:
     """02's ``my_yarn``: k2lab's YaRN frequencies and the config's softmax scale."""
     from ..model.rope import inverse_frequencies
 
-    return inverse_frequencies(cfg), cfg.softmax_scale
+    return inverse_frequencies(cfg).double(), cfg.softmax_scale  # float64, as the exercise's own answer
 
 
 def reference_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -182,7 +182,8 @@ def reference_k2(module: types.ModuleType) -> Callable:
                 routed[rows, slots] = module.my_swiglu(flat[rows], *(m[e] for m in experts))
             shared = module.my_swiglu(flat, *(sd[p + f"mlp.shared_experts.{m}_proj.weight"]
                                              for m in ("gate", "up", "down")))
-            x = x + module.my_combine(shared, routed, w).view_as(h)
+            # The router computes its weights in float32; the stream keeps its own dtype (bfloat16 in 08).
+            x = x + module.my_combine(shared, routed, w.to(h.dtype)).view_as(h)
         return module.my_rms_norm(x, sd["norm.weight"], eps) @ sd["lm_head.weight"].T  # [B, T, V], untied head
 
     return my_k2
@@ -452,11 +453,11 @@ PIECES: dict[str, Piece] = {p.name: p for p in [
     _piece("my_attribution", "06, exercise 1", "direct logit attribution", "check_logit_attribution",
            _function(reference_attribution)),
     _piece("my_patch", "07, exercise 1", "a patching hook", "check_patch_hook", _function(reference_patch)),
-    _piece("my_moe_block_parameters", "08, exercise 1", "one MoE block's parameters", "check_moe_block_parameters",
+    _piece("my_moe_block_parameters", "08, exercise 3", "one MoE block's parameters", "check_moe_block_parameters",
            _function(reference_moe_block_parameters)),
-    _piece("my_dequantize", "08, exercise 2", "FP8 dequantisation", "check_dequantize",
+    _piece("my_dequantize", "08, exercise 1", "FP8 dequantisation", "check_dequantize",
            _function(reference_dequantize)),
-    _piece("my_release_to_state_dict", "08, exercise 3", "the release as a state dict", "check_release_state_dict",
+    _piece("my_release_to_state_dict", "08, exercise 2", "the release as a state dict", "check_release_state_dict",
            _function(reference_release_to_state_dict)),
     _piece("my_k2", "09, exercise 1", "K2 from its weights", "check_model_from_weights", reference_k2),
     _piece("my_cached_mla", "09, exercise 2", "MLA over your own latent cache", "check_cached_mla",
