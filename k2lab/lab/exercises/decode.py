@@ -115,7 +115,7 @@ def check_cached_mla(fn: Callable) -> Verdict:
             out, error = call(fn, dict(w), cfg, hidden.clone(), cos.clone(), sin.clone(), cache.clone())
         if error is not None:
             return error
-        label = f"MLA over your cache ({what})"
+        label = f"MLA over the cache ({what})"
         if EXPANDED in watch.found:
             return Verdict(False, f"{label}: {EXPANDED}", mistake=EXPANDED)
         if not (isinstance(out, tuple) and len(out) == 2):
@@ -159,7 +159,7 @@ def check_cached_mla(fn: Callable) -> Verdict:
         verdict = compare(f"{label}, cache", new_cache, expected_cache, cache_mistakes, atol=1e-4)
         if not verdict.ok:
             return verdict
-    return Verdict(True, "MLA over your cache: matches k2lab's absorbed MLA with a LatentCache for a prompt, a decode "
+    return Verdict(True, "MLA over the cache: matches k2lab's absorbed MLA with a LatentCache for a prompt, a decode "
                          "step and a chunk after cached tokens, without expanding the cache")
 
 
@@ -217,6 +217,6 @@ def check_cached_generate(fn: Callable, model: K2Model | None = None, ids: torch
         message = f"step {step} is the first that differs: yours {name(mine)} (id {mine}), k2lab's {name(theirs)} " \
                   f"(id {theirs}); {where}"
         return Verdict(False, f"greedy generation: {message}", mistake=where)
-    return Verdict(True, f"greedy generation with your cache: the same {new_tokens} tokens as k2lab.generate, one "
+    return Verdict(True, f"greedy generation through the cache: the same {new_tokens} tokens as k2lab.generate, one "
                          f"position per decode step")
 

@@ -381,15 +381,16 @@ def _differing(params: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
     return out
 
 
-def compare_runs(yours: Sequence[float], k2lab: Sequence[float], window: int = 20) -> Verdict:
-    """How close a training run of the learner's model is to k2lab's ``recipe_step`` on the same data and seed,
-    step by step, and why they may differ. Passes when the last ``window`` steps' losses agree to 0.1 nats."""
+def compare_runs(yours: Sequence[float], k2lab: Sequence[float], window: int = 20, name: str = "your run") -> Verdict:
+    """How close a training run of the learner's model (its losses, ``yours``) is to k2lab's ``recipe_step`` on the
+    same data and seed, step by step, and why they may differ; ``name`` says whose run it is. Passes when the last
+    ``window`` steps' losses agree to 0.1 nats."""
     a, b = torch.tensor(list(yours), dtype=torch.float64), torch.tensor(list(k2lab), dtype=torch.float64)
     if a.shape != b.shape or not len(a):
         return Verdict(False, f"the two runs must log the same steps: {len(a)} against {len(b)}")
     if not torch.isfinite(a).all():
         step = int((~torch.isfinite(a)).nonzero()[0])
-        return Verdict(False, f"your run's loss became NaN or infinite at step {step}")
+        return Verdict(False, f"{name}: the loss became NaN or infinite at step {step}")
     gap = (a - b).abs()
     parted = (gap > 1e-3).nonzero()
     first = int(parted[0]) if len(parted) else len(a)
@@ -400,9 +401,9 @@ def compare_runs(yours: Sequence[float], k2lab: Sequence[float], window: int = 2
     agree = (f"the losses agree to {gap[:first].max().item() if first else 0.0:.0e} nats for the first {first} "
              f"steps" + (f", then part: over the last {window} steps by {late:.3f} nats on average" if first < len(a)
                          else ", to the end"))
-    ends = (f"yours ends at {a[-window:].mean():.3f} nats, k2lab's at {b[-window:].mean():.3f} (mean of the last "
+    ends = (f"{name} ends at {a[-window:].mean():.3f} nats, k2lab's at {b[-window:].mean():.3f} (mean of the last "
             f"{window})")
     if late > 0.1:
-        return Verdict(False, f"your run and k2lab's recipe_step: {agree}; {ends}. Runs that part this much from the "
+        return Verdict(False, f"{name} and k2lab's recipe_step: {agree}; {ends}. Runs that part this much from the "
                               f"first steps differ in a piece: check_train_step names which.")
-    return Verdict(True, f"your run and k2lab's recipe_step: {agree}; {ends}. {why}")
+    return Verdict(True, f"{name} and k2lab's recipe_step: {agree}; {ends}. {why}")
