@@ -260,8 +260,11 @@ def reference_muon_step(module: types.ModuleType) -> Callable:
                      momentum: float = 0.95) -> torch.Tensor:
         buf = state["momentum"] = state.get("momentum", torch.zeros_like(p)) * momentum + grad
         nesterov = grad + momentum * buf
-        matrices = nesterov.reshape(-1, *p.shape[-2:])  # [E or 1, A, B]: each matrix on its own
-        ortho = torch.stack([module.my_newton_schulz(g, 5) for g in matrices]).view_as(p)
+        if module.my_newton_schulz is module.__references__["my_newton_schulz"]:
+            ortho = module.my_newton_schulz(nesterov, 5)  # k2lab's takes a stack [E, A, B] at once
+        else:  # an exercise's Newton-Schulz is written for one matrix: each matrix on its own
+            ortho = torch.stack([module.my_newton_schulz(g, 5) for g in nesterov.reshape(-1, *p.shape[-2:])])
+        ortho = ortho.view_as(p)
         update = ortho * (0.2 * math.sqrt(max(p.shape[-2:])))
         return p * (1 - lr * weight_decay) - lr * update
 
