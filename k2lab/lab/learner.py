@@ -211,7 +211,7 @@ def module_source(fn: Callable) -> str:
     helpers: list[str] = []
     seen: set[int] = set()
 
-    def visit(f: Callable, top: bool) -> None:
+    def visit(f: Callable) -> None:
         if id(f) in seen:
             return
         seen.add(id(f))
@@ -226,11 +226,13 @@ def module_source(fn: Callable) -> str:
             if isinstance(value, types.ModuleType) and value.__name__ == MODULE_NAME:
                 constants.append(f"{name} = {MODULE_NAME}  # your module itself")
                 continue
-            line = _import_line(name, value)
+            own = getattr(value, "__module__", None) == f.__globals__.get("__name__")  # defined beside it
+            line = None if own else _import_line(name, value)
             if line is not None:
-                imports.append(line) if line not in imports else None
-            elif isinstance(value, types.FunctionType) and value.__module__ == f.__globals__.get("__name__"):
-                visit(value, top=False)  # a helper defined in the notebook: keep its source
+                if line not in imports:
+                    imports.append(line)
+            elif own and isinstance(value, types.FunctionType):
+                visit(value)  # a helper defined in the notebook: keep its source
             elif _is_plain(value):
                 constants.append(f"{name} = {value!r}")
             else:
@@ -239,7 +241,7 @@ def module_source(fn: Callable) -> str:
                     f"cannot keep: pass it as an argument, or compute it inside the function")
         helpers.append(_definition(f))
 
-    visit(fn, top=True)
+    visit(fn)
     parts = ["\n".join(imports), "\n".join(dict.fromkeys(constants)), *helpers]
     return "\n\n\n".join(part.strip("\n") for part in parts if part.strip()) + "\n"
 
@@ -293,7 +295,7 @@ class Mine:
             raise ValueError(f"@lab.mine keeps the course's exercises; {fn.__name__!r} is none of them "
                              f"(they are {', '.join(sorted(PIECES))})")
         piece = PIECES[fn.__name__]
-        verdict = self._check(piece, fn, None)
+        verdict = self._check(piece, fn)
         _show(verdict)
         if is_stub(fn):
             earlier = next((b for b in read_blocks(self.path) if b.name == piece.name), None)
@@ -318,7 +320,8 @@ class Mine:
         print(f"  kept in {_shown(self.path)} as {piece.name}: {after}")
         return fn
 
-    def _check(self, piece: Piece, fn: Callable, module: types.ModuleType | None) -> Verdict:
+    @staticmethod
+    def _check(piece: Piece, fn: Callable) -> Verdict:
         try:
             return piece.check(fn)
         except Exception as err:  # a checker must not take the notebook down with it
@@ -368,7 +371,7 @@ class Mine:
             fn = namespaces[name][name]
             key = (name, digest(block.body))
             if key not in self._verdicts:
-                self._verdicts[key] = self._check(PIECES[name], fn, module)
+                self._verdicts[key] = self._check(PIECES[name], fn)
             verdict = self._verdicts[key]
             provenance[name] = Provenance(name, verdict.ok, f"edited in mine.py, checked again: {verdict!r}"
                                           if verdict.ok else f"edited in mine.py and fails: {verdict!r}")

@@ -129,11 +129,18 @@ def check_cached_mla(fn: Callable) -> Verdict:
                 "no mask": _cached_variant(*args, mask=False),
                 "unrotated": _cached_variant(*args, rotate_cached=False),
                 "unnormed": _cached_variant(*args, norm_cached=False),
-                "k_pe first": _cached_variant(*args, k_pe_first=True),
+                "k pe first": _cached_variant(*args, k_pe_first=True),
                 "no cache": _cached_variant(*args, use_cache=False),
                 "wide scale": _cached_variant(*args, scale=wide ** -0.5 * cfg.yarn_mscale ** 2),
             }
+        unrotated = ("the cache holds k_pe AFTER its rotation: rotate each new token's k_pe at its own position, then "
+                     "append; a cached key is never rotated again")
+        unnormed = "the cache holds c_KV after kv_a_layernorm: append the normalised latent"
+        pe_first = "a cache row is [c_KV ; k_pe], the latent first: you put k_pe first"
         mistakes = [
+            (unrotated, variants["unrotated"][0]),
+            (unnormed, variants["unnormed"][0]),
+            (pe_first, variants["k pe first"][0]),
             ("your causal mask has no offset: the new token t sits at position S + t and sees every cached key, "
              "keys 0..S+t (torch.ones(T, S).tril(S - T))", variants["offset"][0]),
             ("the new tokens attend to each other's futures: query t may see the new keys up to its own position "
@@ -147,10 +154,9 @@ def check_cached_mla(fn: Callable) -> Verdict:
         if not verdict.ok:
             return verdict
         cache_mistakes = [
-            ("the cache holds k_pe AFTER its rotation: rotate each new token's k_pe at its own position, then "
-             "append; a cached key is never rotated again", variants["unrotated"][1]),
-            ("the cache holds c_KV after kv_a_layernorm: append the normalised latent", variants["unnormed"][1]),
-            ("a cache row is [c_KV ; k_pe], the latent first: you put k_pe first", variants["k_pe first"][1]),
+            (unrotated, variants["unrotated"][1]),
+            (unnormed, variants["unnormed"][1]),
+            (pe_first, variants["k pe first"][1]),
             ("you returned the cache without the new tokens: append their entries [c_KV ; k_pe] after the old ones",
              cache),
             ("you returned only the new tokens' entries: the cache keeps every earlier position too, old then new",
