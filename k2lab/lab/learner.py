@@ -279,7 +279,6 @@ class Mine:
 
     def __init__(self) -> None:
         self._verdicts: dict[tuple[str, str], Verdict] = {}  # (name, digest) -> verdict, for this session
-        self._loaded: dict[str, types.ModuleType] = {}  # path -> the last module loaded from it
 
     @property
     def path(self) -> Path:
@@ -383,7 +382,6 @@ class Mine:
         module.__provenance__ = provenance
         module.__references__ = references
         module.__namespaces__ = namespaces
-        self._loaded[str(self.path)] = module
         if not quiet:
             shown = names or [n for n in PIECES if n in blocks]
             print(f"your module: {_shown(self.path)}" + ("" if blocks else " (nothing recorded yet)"))

@@ -124,6 +124,7 @@ class Progress:
         return f"{self.what}: step {done}/{self.total}, {seconds:.0f} s{', ' + note if note else ''}"
 
     def update(self, done: int, note: str = "") -> None:
+        """Show that ``done`` steps are done, with the seconds so far and ``note``."""
         text = self._text(done, note)
         if self._handle is not None:
             self._handle.update(text)

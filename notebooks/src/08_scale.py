@@ -401,22 +401,22 @@ for shard in sorted(folder.glob("*.safetensors")):
 state = mine.my_release_to_state_dict(tensors, sliced, torch.bfloat16)
 del tensors  # the FP8 values: the state dict holds its own
 ours = mine.my_k2(state, sliced, ids)  # [1, 8, V]
-print(f"your state dict: {len(state)} tensors, {sum(t.numel() for t in state.values()) / 1e9:.2f} B numbers; "
-      f"your model's logits {list(ours.shape)}")
+print(f"my_release_to_state_dict: {len(state)} tensors, {sum(t.numel() for t in state.values()) / 1e9:.2f} B "
+      f"numbers; my_k2's logits {list(ours.shape)}")
 
 # %%
 # NBVAL_CHECK_OUTPUT
 resident = layer.state_dict()  # k2lab.load's, in float32; its routed experts stay in the files (streamed)
 same = {name: torch.equal(state[name], t.to(state[name].dtype)) for name, t in resident.items()}
-print(f"k2lab.load's resident tensors ({len(resident)}) are all in your state dict: {set(resident) <= set(state)}; "
-      f"equal to yours once rounded to bfloat16, bit for bit: {all(same.values())}")
+print(f"k2lab.load's resident tensors ({len(resident)}) are all in the state dict above: {set(resident) <= set(state)};"
+      f" equal to its tensors once rounded to bfloat16, bit for bit: {all(same.values())}")
 theirs = layer(ids)  # [1, 8, V] float32, the experts read from the files
 gap = (ours.float() - theirs).abs().max().item() / theirs.abs().max().item()
-print(f"logits: yours and k2lab's agree within 3e-2 of the largest (bfloat16 keeps 8 bits): {gap < 3e-2}")
+print(f"logits: my_k2's and k2lab's agree within 3e-2 of the largest (bfloat16 keeps 8 bits): {gap < 3e-2}")
 del layer  # the streamed model's memory back
 
 # %%
-print(f"max |yours - k2lab's| / max |k2lab's| = {gap:.0e}")
+print(f"max |my_k2's - k2lab's| / max |k2lab's| = {gap:.0e}")
 
 # %%
 hf, note = lab.hf_deepseek_v3(sliced, state)
@@ -425,14 +425,15 @@ if hf is None:
 else:
     with torch.no_grad():
         hf_logits = hf(ids).logits
-    print(f"{note}: max |yours - HF's| / max |HF's| = "
+    print(f"{note}: max |my_k2's - HF's| / max |HF's| = "
           f"{(ours.float() - hf_logits.float()).abs().max().item() / hf_logits.abs().max().item():.0e}")
     del hf
 
 # %% [markdown]
-# Your loader and k2lab's read the same numbers: both multiply each e4m3 value by its block's scale in float32, and
-# yours rounds once to bfloat16. The logits differ by bfloat16's rounding (k2lab's model here computes in float32);
-# HF's DeepseekV3, a third implementation holding your tensors, agrees to the same rounding. The real K2
+# The loader of your module (yours, or the reference: the first lines of the cell above say which) and k2lab's read
+# the same numbers: both multiply each e4m3 value by its block's scale in float32, and the state dict is rounded once
+# to bfloat16. The logits differ by bfloat16's rounding (k2lab's model here computes in float32); HF's DeepseekV3, a
+# third implementation holding the same tensors, agrees to the same rounding. The real K2
 # is this folder with 61 layers and 384 experts per layer: the same two functions load it, given the memory.
 
 # %%
