@@ -25,6 +25,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dis
+import functools
 import hashlib
 import importlib
 import inspect
@@ -32,13 +33,12 @@ import os
 import re
 import textwrap
 import types
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from .exercises.checking import Verdict
+from .own_training import Observed, observe
 from .pieces import PIECES, Piece
 
 MODULE_NAME = "mine"  # the name of the learner's module, also bound inside it to the module itself
@@ -264,15 +264,6 @@ class Provenance:
         return f"{self.name:<26} the reference  ({piece.where}: {self.reason})"
 
 
-@dataclass
-class Observed:
-    """What ``Mine.observe`` saw during one forward of the learner's model: each attention layer's largest logit per
-    head (what QK-Clip watches) and each MoE layer's expert counts (what the bias step balances), in call order."""
-
-    max_logits: list[torch.Tensor] = field(default_factory=list)  # per MLA call [H]
-    counts: list[torch.Tensor] = field(default_factory=list)  # per router call [E]
-
-
 class Mine:
     """``@lab.mine`` records an exercise's function in the learner's module; ``lab.mine.load()`` loads that module
     with k2lab's references standing in for the pieces the learner did not write (or that fail their check)."""
@@ -382,6 +373,7 @@ class Mine:
         module.__provenance__ = provenance
         module.__references__ = references
         module.__namespaces__ = namespaces
+        module.__rebind__ = functools.partial(self._bind, module, namespaces)  # for own_training.observe
         if not quiet:
             shown = names or [n for n in PIECES if n in blocks]
             print(f"your module: {_shown(self.path)}" + ("" if blocks else " (nothing recorded yet)"))
@@ -403,32 +395,12 @@ class Mine:
         """Whether ``name`` in a loaded module is the learner's own (False: the reference stands in)."""
         return module.__provenance__[name].yours
 
-    @contextlib.contextmanager
-    def observe(self, module: types.ModuleType) -> Iterator[Observed]:
-        """While it is open, every call of the module's ``my_mla`` records each head's largest causal logit and
-        every call of ``my_router`` its expert counts (``Observed``): what QK-Clip and the bias step need from a
-        forward of the learner's model, whichever functions it calls them from."""
-        from .pieces import head_max_logits
-
-        seen = Observed()
-        mla, router = module.my_mla, module.my_router
-
-        def watched_mla(w, cfg, hidden, cos, sin):
-            seen.max_logits.append(head_max_logits(w, cfg, hidden, cos, sin))
-            return mla(w, cfg, hidden, cos, sin)
-
-        def watched_router(x, weight, bias, top_k, scaling):
-            idx, weights = router(x, weight, bias, top_k, scaling)
-            seen.counts.append(torch.bincount(idx.detach().flatten().cpu(), minlength=weight.shape[0]))
-            return idx, weights
-
-        chosen = {"my_mla": watched_mla, "my_router": watched_router}
-        namespaces = module.__namespaces__
-        self._bind(module, namespaces, chosen)
-        try:
-            yield seen
-        finally:
-            self._bind(module, namespaces, {"my_mla": mla, "my_router": router})
+    @staticmethod
+    def observe(module: types.ModuleType) -> contextlib.AbstractContextManager[Observed]:
+        """``with lab.mine.observe(mine) as seen:``: every call of the module's ``my_mla`` records each head's largest
+        logit (``seen.max_logits``) and every call of ``my_router`` its expert counts (``seen.counts``), as
+        ``k2lab.lab.own_training.observe`` does."""
+        return observe(module)
 
 
 def _shown(path: Path) -> str:

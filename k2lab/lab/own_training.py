@@ -5,22 +5,84 @@ The learner's model is a function of its weights, ``my_k2(state_dict, cfg, ids)`
 dict of tensors: each step computes the loss through ``my_k2``, takes the gradients of every weight, steps each with
 its optimizer (Muon for the hidden matrices, AdamW for the embedding, the head and the norms, as
 ``MuonClip.for_model`` splits them), then applies QK-Clip and the bias step from what the forward saw
-(``lab.mine.observe``). It is k2lab's ``recipe_step`` written out in the learner's own functions.
+(``observe``, which the notebook reaches as ``lab.mine.observe``). It is k2lab's ``recipe_step`` written out in the
+learner's own functions.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch.func import functional_call
 
 from ..config import K2Config
 
 EMBED_LR_SCALE = 10.0  # the embedding steps at 10 x lr, as in K2-nano's run (k2lab.training.TrainConfig)
 WEIGHT_DECAY = 0.1  # K2's decoupled weight decay, for every weight but the norms
+
+
+@functools.cache
+def meta_mla(cfg: K2Config) -> torch.nn.Module:
+    """k2lab's MLA for ``cfg`` on the meta device: a function of the weights it is called with."""
+    from ..model import MultiHeadLatentAttention
+
+    with torch.device("meta"):
+        return MultiHeadLatentAttention(cfg)
+
+
+def head_max_logits(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> torch.Tensor:
+    """[H] each head's largest scaled, causal pre-softmax logit over the batch, for MLA weights ``w`` and input
+    ``hidden`` [B, T, D]: the ``hook_max_logit`` probe of k2lab's MLA, which is what QK-Clip watches."""
+    attn = meta_mla(cfg)
+    seen = []
+    handle = attn.hook_max_logit.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        with torch.no_grad():
+            functional_call(attn, {n: t.detach() for n, t in w.items()}, (hidden.detach(), cos, sin),
+                            {"attn_impl": "naive"})
+    finally:
+        handle.remove()
+    return seen[0].amax(dim=0)  # [B, H] -> [H]
+
+
+@dataclass
+class Observed:
+    """What ``observe`` saw during one forward of the learner's model: each attention layer's largest logit per head
+    (what QK-Clip watches) and each MoE layer's expert counts (what the bias step balances), in call order."""
+
+    max_logits: list[torch.Tensor] = field(default_factory=list)  # per MLA call [H]
+    counts: list[torch.Tensor] = field(default_factory=list)  # per router call [E]
+
+
+@contextlib.contextmanager
+def observe(module: types.ModuleType) -> Iterator[Observed]:
+    """While it is open, every call of the learner's module's ``my_mla`` records each head's largest causal logit and
+    every call of ``my_router`` its expert counts (``Observed``): what QK-Clip and the bias step need from a forward of
+    the learner's model, whichever of its functions calls them. ``module`` is one ``lab.mine.load()`` made."""
+    seen = Observed()
+    mla, router = module.my_mla, module.my_router
+
+    def watched_mla(w, cfg, hidden, cos, sin):
+        seen.max_logits.append(head_max_logits(w, cfg, hidden, cos, sin))
+        return mla(w, cfg, hidden, cos, sin)
+
+    def watched_router(x, weight, bias, top_k, scaling):
+        idx, weights = router(x, weight, bias, top_k, scaling)
+        seen.counts.append(torch.bincount(idx.detach().flatten().cpu(), minlength=weight.shape[0]))
+        return idx, weights
+
+    module.__rebind__({"my_mla": watched_mla, "my_router": watched_router})
+    try:
+        yield seen
+    finally:
+        module.__rebind__({"my_mla": mla, "my_router": router})
 
 
 def optimizer_of(name: str, tensor: torch.Tensor) -> str:
@@ -70,12 +132,10 @@ def training_step(module: types.ModuleType, params: dict[str, torch.Tensor], opt
     counts), ``my_next_token_loss``, the gradients, ``my_muon_step`` or ``my_adamw_step`` for each weight, then
     ``my_qk_clip`` for every head and ``my_bias_update`` for every MoE layer. ``params`` and ``opt_state`` are
     updated (their entries replaced by new tensors); returns the loss and the max logits [L, H]."""
-    from .learner import mine
-
     trainable = [n for n, t in params.items() if optimizer_of(n, t) != "bias step"]
     with torch.enable_grad():  # the lab's notebooks run without gradients unless asked
         leaves = {n: params[n].detach().requires_grad_() for n in trainable}
-        with mine.observe(module) as seen:
+        with observe(module) as seen:
             logits = module.my_k2({**params, **leaves}, cfg, batch)  # [B, T, V]
         loss = module.my_next_token_loss(logits, batch, pad_id)
         grads = torch.autograd.grad(loss, list(leaves.values()))

@@ -23,6 +23,7 @@ from torch.func import functional_call
 
 from ..config import K2Config
 from .exercises.checking import Verdict
+from .own_training import meta_mla, training_step
 
 
 @dataclass(frozen=True)
@@ -72,15 +73,6 @@ def _on_nano(name: str, **kwargs) -> Callable[[Callable], Verdict]:
 
 
 @functools.cache
-def _mla_module(cfg: K2Config) -> torch.nn.Module:
-    """k2lab's MLA for ``cfg`` on the meta device: a function of the weights it is called with."""
-    from ..model import MultiHeadLatentAttention
-
-    with torch.device("meta"):
-        return MultiHeadLatentAttention(cfg)
-
-
-@functools.cache
 def _router_module(num_experts: int, hidden: int, top_k: int, scaling: float) -> torch.nn.Module:
     from ..model.moe import Router
 
@@ -93,13 +85,13 @@ def _router_module(num_experts: int, hidden: int, top_k: int, scaling: float) ->
 def reference_mla(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
     """03's ``my_mla``: k2lab's MultiHeadLatentAttention with the weights ``w`` (the naive path)."""
-    return functional_call(_mla_module(cfg), w, (hidden, cos, sin), {"attn_impl": "naive"})
+    return functional_call(meta_mla(cfg), w, (hidden, cos, sin), {"attn_impl": "naive"})
 
 
 def reference_mla_absorbed(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torch.Tensor, cos: torch.Tensor,
                            sin: torch.Tensor) -> torch.Tensor:
     """03's ``my_mla_absorbed``: the same module on its absorbed path."""
-    return functional_call(_mla_module(cfg), w, (hidden, cos, sin), {"attn_impl": "absorbed"})
+    return functional_call(meta_mla(cfg), w, (hidden, cos, sin), {"attn_impl": "absorbed"})
 
 
 def reference_cached_mla(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torch.Tensor, cos: torch.Tensor,
@@ -113,7 +105,7 @@ def reference_cached_mla(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torc
     if cache.shape[1]:
         lc.append(0, cache)
         lc.advance(cache.shape[1])
-    out = functional_call(_mla_module(cfg), w, (hidden, cos, sin), {"cache": lc, "layer": 0, "attn_impl": "absorbed"})
+    out = functional_call(meta_mla(cfg), w, (hidden, cos, sin), {"cache": lc, "layer": 0, "attn_impl": "absorbed"})
     lc.advance(hidden.shape[1])
     return out, lc.latents(0).clone()
 
@@ -280,28 +272,11 @@ def reference_qk_clip(head: dict[str, torch.Tensor], max_logit: float, tau: floa
 
 def reference_train_step(module: types.ModuleType) -> Callable:
     """10's ``my_train_step``: ``k2lab.lab.own_training.training_step`` with the module's pieces."""
-    from .own_training import training_step
 
     def my_train_step(params, opt_state, batch, cfg, lr, tau, bias_step, pad_id):
         return training_step(module, params, opt_state, batch, cfg, lr, tau, bias_step, pad_id)
 
     return my_train_step
-
-
-def head_max_logits(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> torch.Tensor:
-    """[H] each head's largest scaled, causal pre-softmax logit over the batch, for MLA weights ``w`` and input
-    ``hidden`` [B, T, D]: the ``hook_max_logit`` probe of k2lab's MLA, which is what QK-Clip watches."""
-    attn = _mla_module(cfg)
-    seen = []
-    handle = attn.hook_max_logit.register_forward_hook(lambda module, args, out: seen.append(out))
-    try:
-        with torch.no_grad():
-            functional_call(attn, {n: t.detach() for n, t in w.items()}, (hidden.detach(), cos, sin),
-                            {"attn_impl": "naive"})
-    finally:
-        handle.remove()
-    return seen[0].amax(dim=0)  # [B, H] -> [H]
 
 
 def _function(fn: Callable) -> Callable[[types.ModuleType], Callable]:
