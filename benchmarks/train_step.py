@@ -7,7 +7,7 @@ recipe's probes attached, the backward, MuonClip's update, QK-Clip and the bias 
 ``K2Config.nano(width)``, stepped eagerly as the run steps them. Beside the bundled width, each contender undoes
 one choice of the run:
 
-- the head's loss through the whole [4096, 8192] logits tensor and ``F.cross_entropy``, not ``k2lab.model.loss``'s
+- the head's loss through the whole [4096, 8192] logits tensor and ``F.cross_entropy``, not ``k2lab.model.speed.loss``'s
   chunks;
 - attention through explicit scores and softmax (``hook_attn_scores`` probed), not the fused kernel plus the
   ``hook_max_logit`` probe;

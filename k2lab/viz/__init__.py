@@ -21,6 +21,7 @@ from .experts import (
 from .features import expert_share_heatmap, information_figure, purity_figure
 from .lines import lines_figure
 from .logits import attribution_figure, cache_logit_lens_figure, effect_heatmap, logit_lens_figure
+from .residual import residual_norm_figure
 from .rope import yarn_figure
 from .router import bias_flip_figure, router_token_figure, routing_heatmap
 from .scale import parameter_figure
@@ -34,3 +35,4 @@ __all__ = [
     "purity_figure", "qk_clip_figure", "router_token_figure", "routing_heatmap", "score_split_figure",
     "singular_values_figure", "spans_html", "specialization_figure", "tokens_html", "widgets", "yarn_figure",
 ]
+__all__ += ["residual_norm_figure"]

@@ -118,6 +118,7 @@ def entropy_figure(entropies: Mapping[str, torch.Tensor], maxima: Mapping[str, f
     series_of(entropies, "entropies")
     fig = go.Figure()
     x = [str(layer) for layer in layers]
+    lowest = 1.0
     for (name, h), color in zip(entropies.items(), _QUALITATIVE, strict=False):
         h = data(h, f"entropies[{name!r}]")
         same_length(h, layers, f"entropies[{name!r}]", "layers")
@@ -127,7 +128,10 @@ def entropy_figure(entropies: Mapping[str, torch.Tensor], maxima: Mapping[str, f
         low, q1, median, q3, high = np.percentile(share, [1, 25, 50, 75, 99], axis=1)
         fig.add_trace(go.Box(x=x, q1=q1, median=median, q3=q3, lowerfence=low, upperfence=high, name=name,
                              marker_color=color))
-    reference_line(fig, 1.0, "no preference", position="bottom left")
+        lowest = min(lowest, float(low.min()))
+    # The label sits above the line, in a margin of its own: below it, it would cross the whiskers that reach 1.
+    reference_line(fig, 1.0, "no preference", position="top left")
+    span = 1.0 - lowest
     fig.update_xaxes(title_text="layer", type="category")
-    fig.update_yaxes(title_text="entropy / its maximum")
+    fig.update_yaxes(title_text="entropy / its maximum", range=[lowest - 0.05 * span, 1.0 + 0.1 * span])
     return finish(fig.update_layout(boxmode="group"), title or "Router entropy per token", height=400)

@@ -54,14 +54,22 @@
 # | [07 interventions](07_interventions.ipynb) | ablate experts, force routes, edit the bias, patch activations |
 # | [08 scale](08_scale.ipynb) | the real K2's parameters, bytes and memory; streaming experts |
 # | [09 full model](09_full_model.ipynb) | the full K2 with probes, on a GPU node |
-# | [10 training](10_training.ipynb) | how K2-nano was trained: MuonClip, QK-Clip, bias balancing |
+# | [10 training](10_training.ipynb) | how K2-nano was trained: MuonClip, QK-Clip, bias balancing; then you train your own |
+# | [11 features and experts](11_features_experts.ipynb) | sparse dictionaries spliced into K2-nano: are experts made of features? |
 #
-# Every notebook has exercises, each marked ★ (a minute), ★★ (a few lines to think through) or ★★★ (a piece of the
-# model): predict, then run; change a knob; or write a piece yourself, checked by `k2lab.lab.exercises`, which runs
-# your function against k2lab and names the mistake it recognises. Each exercise is followed by a folded hint and a
-# folded solution (click to open; the solution's code and output stay hidden until you open them too). The pieces
-# you write add up: your BPE (01), your rotation and YaRN (02), your MLA from its weights (03), and onwards, until
-# your own code computes K2-nano's logits.
+# Every notebook has exercises, each marked ★ (predict, then run; a few lines), ★★ (change a knob, or write one
+# piece) or ★★★ (write a piece that needs several others): predict, then run; change a knob; or write a piece
+# yourself, checked by `k2lab.lab.exercises`, which runs your function against k2lab and names the mistake it
+# recognises. Each exercise is followed by two folded hints (the idea first, then the code) and a folded solution
+# (click to open; a solution's code and output stay hidden until you open them too, and the answer to a "predict"
+# exercise sits in a fold of its own).
+#
+# **Your own K2.** Every piece you write carries `@lab.mine`, which checks it and keeps it in your own module,
+# `mine.py` (in this folder): your BPE (01), your rotation and YaRN (02), your MLA (03), your router (04a), your
+# norm, SwiGLU and block (04b), and onwards. [08](08_scale.ipynb) loads the real release's format into your model,
+# [09](09_full_model.ipynb) assembles K2-nano from your module, with no copy and paste, and decodes with your own
+# cache, and [10](10_training.ipynb) trains it. A piece you skip is k2lab's reference, and the cell that uses it says
+# so.
 
 # %% [markdown]
 # ## The model
@@ -221,7 +229,14 @@ print(prompt + tok.decode(out[0, ids.shape[1]:]))
 # your code here
 
 # %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
 # Greedy decoding takes the argmax of the last position's logits. Which logits did step 5 read?
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# `out[0, ids.shape[1]]` is the first generated id; `top.indices[0]` is step 5's top guess.
 
 # %% [markdown] tags=["solution"]
 # The same: the first generated token is the argmax of exactly the logits step 5 read (the prompt's last position),
@@ -229,9 +244,11 @@ print(prompt + tok.decode(out[0, ids.shape[1]:]))
 # that step 5 never computed. (The cache changes how the logits are computed, not what they are.)
 
 # %% tags=["solution"]
+# Solution (click to show)
 first = out[0, ids.shape[1]].item()
-print(f"top guess {tok.id_to_piece(top.indices[0].item())!r}, first generated {tok.id_to_piece(first)!r}: "
-      f"{first == top.indices[0].item()}")
+with lab.folded():
+    print(f"top guess {tok.id_to_piece(top.indices[0].item())!r}, first generated {tok.id_to_piece(first)!r}: "
+          f"{first == top.indices[0].item()}")
 
 # %% [markdown]
 # ### Exercise 2 ★ · Change a knob
@@ -243,49 +260,67 @@ print(f"top guess {tok.id_to_piece(top.indices[0].item())!r}, first generated {t
 # your code here: k2lab.generate(model, ids, max_new_tokens=24, temperature=0.8, seed=0)
 
 # %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
 # With a temperature, each token is drawn from the softmax of the logits divided by 0.8. How likely is the loop's
 # next token, and how many draws does it take for a less likely one to be picked?
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# A loop over `seed in (0, 1)`, each `k2lab.generate(...)` decoded with `tok.decode(sampled[0, ids.shape[1]:])`.
 
 # %% [markdown] tags=["solution"]
 # Sampling draws each token from the softmax instead of taking its maximum, so a loop is broken as soon as a less
 # likely token is drawn; the text wanders instead.
 
 # %% tags=["solution"]
-for seed in (0, 1):
-    sampled = k2lab.generate(model, ids, max_new_tokens=24, temperature=0.8, seed=seed)
-    print(f"seed {seed}: {tok.decode(sampled[0, ids.shape[1]:])!r}")
+# Solution (click to show)
+with lab.folded("The two samples (click to show)"):
+    for seed in (0, 1):
+        sampled = k2lab.generate(model, ids, max_new_tokens=24, temperature=0.8, seed=seed)
+        print(f"seed {seed}: {tok.decode(sampled[0, ids.shape[1]:])!r}")
 
 # %% [markdown]
 # ### Exercise 3 ★ · Write it yourself: greedy decoding
 #
 # Without the cache: run the model on the ids, take the argmax of the last position's logits, append it, repeat.
-# `check_greedy` compares your tokens with `k2lab.generate`'s.
+# Replace the stub's `raise` with your code and run the cell: `@lab.mine` runs `exercises.check_greedy` on your
+# function (your tokens against `k2lab.generate`'s, on K2-nano) and keeps it in your module, `mine.py`. Every "write
+# it yourself" exercise of the course works this way.
 
 # %%
 from k2lab.lab import exercises
 
 
+@lab.mine
 def my_greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """ids [1, T] -> [1, T + new_tokens]"""
     raise NotImplementedError
 
-
-print(exercises.check_greedy(my_greedy, model, ids))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Each step needs only the logits of the last position: the model's best guess for the token after everything so
+# far. Append that guess and the sequence is one token longer; do it `new_tokens` times.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # `model(ids)` returns logits [1, T, V]; `[:, -1].argmax(-1, keepdim=True)` is the next id as [1, 1]; `torch.cat`
 # it to `ids` along dimension 1, in a loop of `new_tokens` steps.
 
 # %% [markdown] tags=["solution"]
-# Each step runs the whole sequence again (the cache exists to avoid exactly that):
+# Each step runs the whole sequence again (the cache exists to avoid exactly that). The solution has a name of its
+# own, `solution_greedy`, so running it never replaces yours:
 
 # %% tags=["solution"]
-def my_greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+# Solution (click to show)
+def solution_greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     for _ in range(new_tokens):
         next_id = model(ids)[:, -1].argmax(-1, keepdim=True)  # [1, 1]
         ids = torch.cat([ids, next_id], dim=1)
     return ids
 
 
-assert exercises.check_greedy(my_greedy, model, ids)
-print(exercises.check_greedy(my_greedy, model, ids))
+print(exercises.check_greedy(solution_greedy, model, ids))

@@ -125,22 +125,30 @@ print("' café' as bytes:", [bytes([b]) for b in " café".encode()])
 # ### Exercise 1 ★★ · Write it yourself: BPE training
 #
 # Write `my_train_bpe(texts, num_merges, pre_tokenize)`: return the merges in the order learned, each as a pair of
-# byte strings `(left, right)`. The check runs it on its own small corpus (with K2's pre-tokenizer) and checks each
-# merge against the counts after your earlier ones; a mistake it knows (characters instead of bytes, counting across
-# pre-tokens, counting once and never again, each pre-token counted once, ...) is named.
+# byte strings `(left, right)`. Running the cell checks it (`@lab.mine` calls `exercises.check_bpe_training`, which
+# runs it on its own small corpus with K2's pre-tokenizer and checks each merge against the counts after your earlier
+# ones; a mistake it knows, such as characters instead of bytes, counting across pre-tokens, counting once and never
+# again, or each pre-token counted once, is named) and keeps it in your module, `mine.py`.
 
 # %%
 from k2lab.lab import exercises
 
 
+@lab.mine
 def my_train_bpe(texts: list[str], num_merges: int, pre_tokenize) -> list[tuple[bytes, bytes]]:
     """Learn num_merges BPE merges from texts: [(b't', b'h'), (b'th', b'e'), ...]."""
     raise NotImplementedError
 
-
-print(exercises.check_bpe_training(my_train_bpe))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Work on the distinct pre-tokens, each with how often it occurs, written as a sequence of symbols that starts as
+# its UTF-8 bytes. A round counts the adjacent pairs (a pre-token seen n times counts n times), merges the most
+# frequent pair everywhere, and records it. The merge changes the pairs around it, so the next round counts again.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Keep a dict from each distinct pre-token's current symbols (a tuple of byte strings) to its count. Each round:
 # a `Counter` of `zip(seq, seq[1:])` over every sequence, adding the sequence's count; `max(counts, key=counts.get)`
 # is the pair to merge; then rebuild every sequence, replacing each adjacent `(left, right)` from left to right by
@@ -149,9 +157,11 @@ print(exercises.check_bpe_training(my_train_bpe))
 # %% [markdown] tags=["solution"]
 # The three steps are three small functions: count the pairs, merge one pair everywhere, and the loop that does both
 # `num_merges` times. Counting again every round matters: merging `t`+`h` removes the `h e` pairs inside `the` and
-# creates `th e` ones.
+# creates `th e` ones. The solution has a name of its own, `solution_train_bpe`, so running it never replaces yours;
+# the first merges of the small corpus above, the answer to the prediction, sit in a fold of their own.
 
 # %% tags=["solution"]
+# Solution (click to show)
 def count_pairs(sequences: dict[tuple[bytes, ...], int]) -> Counter:
     counts = Counter()
     for seq, n in sequences.items():
@@ -172,7 +182,7 @@ def merge(seq: tuple[bytes, ...], pair: tuple[bytes, bytes]) -> tuple[bytes, ...
     return tuple(out)
 
 
-def my_train_bpe(texts: list[str], num_merges: int, pre_tokenize) -> list[tuple[bytes, bytes]]:
+def solution_train_bpe(texts: list[str], num_merges: int, pre_tokenize) -> list[tuple[bytes, bytes]]:
     pieces = Counter(piece for text in texts for piece in pre_tokenize(text))
     sequences = {tuple(bytes([b]) for b in piece.encode()): n for piece, n in pieces.items()}  # bytes, not chars
     merges = []
@@ -186,33 +196,35 @@ def my_train_bpe(texts: list[str], num_merges: int, pre_tokenize) -> list[tuple[
     return merges
 
 
-assert exercises.check_bpe_training(my_train_bpe)
-print(exercises.check_bpe_training(my_train_bpe))
-print("the small corpus above, first merges:", my_train_bpe(corpus, 4, pre_tokenize))
+print(exercises.check_bpe_training(solution_train_bpe))
+with lab.folded("The first merges of the small corpus (click to show)"):
+    print(solution_train_bpe(corpus, 4, pre_tokenize))
 
 # %% [markdown]
 # ### Your trainer on real text
 #
-# K2-nano's ranks were learned on Python's standard library. Run your trainer on one module of it, `textwrap.py`
-# (about 20,000 characters; it takes a second), and compare your first merges with K2-nano's vocabulary. The exact
+# K2-nano's ranks were learned on Python's standard library. Run the trainer on one module of it, `textwrap.py`
+# (about 20,000 characters; it takes a second), and compare the first merges with K2-nano's vocabulary. The trainer
+# is yours from `mine.py` if it passed its check, else the reference (the first line printed says which). The exact
 # list depends on your Python version's copy of the file, so this cell's output is not checked:
 
 # %%
 import inspect
 import textwrap
 
+mine = lab.mine.load("my_train_bpe")  # your module: yours where it passed its check, the reference elsewhere
 num_ranks = min(tok.special_tokens.values())  # specials come right after the ranks
 nano_ranks = {tok.token_bytes(i): i for i in range(num_ranks)}
 
-my_merges = my_train_bpe([inspect.getsource(textwrap)], 300, pre_tokenize)
-learned = [left + right for left, right in my_merges]
-print("your first 16 tokens:", [t.decode(errors="replace") for t in learned[:16]])
-print(f"{sum(t in nano_ranks for t in learned)} of your {len(learned)} tokens are in K2-nano's vocabulary")
-print("K2-nano's ranks of your first 8:", [nano_ranks.get(t) for t in learned[:8]])
+trained_merges = mine.my_train_bpe([inspect.getsource(textwrap)], 300, pre_tokenize)
+learned = [left + right for left, right in trained_merges]
+print("the first 16 tokens learned:", [t.decode(errors="replace") for t in learned[:16]])
+print(f"{sum(t in nano_ranks for t in learned)} of the {len(learned)} tokens are in K2-nano's vocabulary")
+print("K2-nano's ranks of the first 8:", [nano_ranks.get(t) for t in learned[:8]])
 
 # %% [markdown]
 # Runs of spaces come first: Python's indentation is the most frequent thing in the file. Then frequent subwords
-# (`in`, `en`, ` t`, ...) and soon whole words (` the`, ` in`). Most of your tokens are also K2-nano's, and its
+# (`in`, `en`, ` t`, ...) and soon whole words (` the`, ` in`). Most of these tokens are also K2-nano's, and its
 # first ranks (256, 257, ...) are the same whitespace runs: the same algorithm on the same kind of text. K2's own
 # 163,584 ranks came out of the same kind of loop on a far larger and more varied corpus (which one, the sources do
 # not say).
@@ -252,14 +264,20 @@ for rank in steps:
 # first, or the longest known token are each caught and named.
 
 # %%
+@lab.mine
 def my_bpe(ranks: dict[bytes, int], piece: bytes) -> list[bytes]:
     """The parts of ``piece`` after rank-BPE, e.g. [b' token', b'izer']."""
     raise NotImplementedError
 
-
-print(exercises.check_bpe(my_bpe))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# A merge is allowed only when the two adjacent parts joined are a token of the vocabulary, and among the allowed
+# merges the lowest rank goes first, wherever it sits in the piece. Repeat until no adjacent pair joins into a token.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Keep `parts`, a list of byte strings, starting as `[piece[i:i + 1] for i in range(len(piece))]`. In a loop, list
 # `(ranks[a + b], i)` for every adjacent pair `a, b = parts[i], parts[i + 1]` whose join is in `ranks`; stop when
 # there is none; otherwise take the `min` (lowest rank, then leftmost) and replace `parts[i:i + 2]` by the join.
@@ -269,7 +287,8 @@ print(exercises.check_bpe(my_bpe))
 # tiktoken does: when the same pair occurs twice, the leftmost merges first.
 
 # %% tags=["solution"]
-def my_bpe(ranks: dict[bytes, int], piece: bytes) -> list[bytes]:
+# Solution (click to show)
+def solution_bpe(ranks: dict[bytes, int], piece: bytes) -> list[bytes]:
     parts = [piece[i:i + 1] for i in range(len(piece))]
     while True:
         pairs = [(ranks[a + b], i) for i, (a, b) in enumerate(zip(parts, parts[1:])) if a + b in ranks]
@@ -279,36 +298,37 @@ def my_bpe(ranks: dict[bytes, int], piece: bytes) -> list[bytes]:
         parts[i:i + 2] = [parts[i] + parts[i + 1]]
 
 
-assert exercises.check_bpe(my_bpe)
-print(exercises.check_bpe(my_bpe))
+print(exercises.check_bpe(solution_bpe))
 
 # %% [markdown]
 # ### Your two pieces together
 #
-# Your merges become ranks (the 256 bytes first, then each merge in the order learned), and your `my_bpe` encodes
-# with them, piece by piece after the pre-tokenizer: a whole tokenizer, from your own code.
+# The merges become ranks (the 256 bytes first, then each merge in the order learned), and `my_bpe` encodes with
+# them, piece by piece after the pre-tokenizer: a whole tokenizer, from your own code where you wrote it (the first
+# lines printed say which pieces are yours).
 
 # %%
-my_ranks = {bytes([b]): b for b in range(256)} | {token: 256 + i for i, token in enumerate(learned)}
+mine = lab.mine.load("my_train_bpe", "my_bpe")
+trained_ranks = {bytes([b]): b for b in range(256)} | {token: 256 + i for i, token in enumerate(learned)}
 
 
-def my_encode(ranks: dict[bytes, int], text: str) -> list[bytes]:
-    return [part for piece in pre_tokenize(text) for part in my_bpe(ranks, piece.encode())]
+def encode_with(ranks: dict[bytes, int], text: str) -> list[bytes]:
+    return [part for piece in pre_tokenize(text) for part in mine.my_bpe(ranks, piece.encode())]
 
 
 held_out = "def perimeter(radius):\n    return 2 * 3.14159 * radius"
-mine, nanos = my_encode(my_ranks, held_out), my_encode(nano_ranks, held_out)
-print(f"{len(held_out.encode())} bytes -> {len(mine)} tokens with your {len(learned)} merges, "
-      f"{len(nanos)} with K2-nano's {num_ranks - 256:,}")
+with_trained, with_nano = encode_with(trained_ranks, held_out), encode_with(nano_ranks, held_out)
+print(f"{len(held_out.encode())} bytes -> {len(with_trained)} tokens with the {len(learned)} merges learned above, "
+      f"{len(with_nano)} with K2-nano's {num_ranks - 256:,}")
 
 # %% [markdown]
-# Your 300 merges, learned from one file, already save about a third of the bytes on a line they never saw; K2-nano's
-# 7,680 save more than half. And with K2-nano's ranks, your `my_bpe` is the tokenizer:
+# The 300 merges, learned from one file, already save about a third of the bytes on a line they never saw; K2-nano's
+# 7,680 save more than half. And with K2-nano's ranks, `my_bpe` is the tokenizer:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print("my_bpe with K2-nano's ranks == the tokenizer:",
-      [t.decode() for t in my_encode(nano_ranks, lab.PROMPT)] == [t.text for t in tok.pieces(lab.PROMPT)])
+with_nano_ranks = [t.decode() for t in encode_with(nano_ranks, lab.PROMPT)]
+print("my_bpe with K2-nano's ranks == the tokenizer:", with_nano_ranks == [t.text for t in tok.pieces(lab.PROMPT)])
 
 # %% [markdown]
 # ## K2-nano's vocabulary at work
@@ -411,9 +431,16 @@ viz.widgets.token_explorer(tok, "for i in range(10):\n    print(i ** 2)  # 0 1 4
 # your code here
 
 # %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
 # Walk the table's alternatives at each position: letters (2, 3), digits in threes (4), punctuation with at most one
 # space before it (5). A space followed by a digit is taken by none of 2-5, and alternative 7 leaves it alone because
 # a non-space follows it.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# `pre_tokenize("x = 1234567890")`, defined above, returns the pieces.
 
 # %% [markdown] tags=["solution"]
 # The number is cut in threes from the left (`\p{N}{1,3}`): `123`, `456`, `789`, `0`. The space before it is a
@@ -421,7 +448,9 @@ viz.widgets.token_explorer(tok, "for i in range(10):\n    print(i ** 2)  # 0 1 4
 # ` `, then the digits.
 
 # %% tags=["solution"]
-print(pre_tokenize("x = 1234567890"))
+# Solution (click to show)
+with lab.folded():
+    print(pre_tokenize("x = 1234567890"))
 
 # %% [markdown]
 # ### Exercise 4 ★ · Change a knob
@@ -433,36 +462,54 @@ print(pre_tokenize("x = 1234567890"))
 # your code here
 
 # %% [markdown] tags=["hint"]
-# A merge happens only when both halves are already tokens. ` radius` ends as three tokens (printed earlier), so
-# count the merges that build ` r`, `adi` and `us` from seven bytes.
+# **Hint 1 · the idea**
+#
+# A merge happens only when both halves are already tokens, and each merge turns two parts into one. ` radius` ends
+# as three tokens (printed earlier), so count the merges that build ` r`, `adi` and `us` from seven bytes.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# Copy the replay cell above with `piece = b" radius"` (and then `b" perimeter"`), and count the lines it prints
+# after the bytes.
 
 # %% [markdown] tags=["solution"]
 # Each merge removes one part, so the number of merges is the number of bytes minus the number of final parts:
 # ` radius` goes from 7 bytes to 3 tokens in 4 merges. The replay for both pieces:
 
 # %% tags=["solution"]
-for word in (b" radius", b" perimeter"):
-    parts, merges = rank_bpe(nano_ranks, word, max_rank=0), 0
-    for rank in sorted(nano_ranks[word[a:b]] for a in range(len(word)) for b in range(a + 2, len(word) + 1)
-                       if word[a:b] in nano_ranks):
-        step = rank_bpe(nano_ranks, word, max_rank=rank + 1)
-        merges += step != parts
-        parts = step
-    print(f"{word!r}: {merges} merges -> {show(parts)}")
+# Solution (click to show)
+with lab.folded():
+    for word in (b" radius", b" perimeter"):
+        parts, merges = rank_bpe(nano_ranks, word, max_rank=0), 0
+        for rank in sorted(nano_ranks[word[a:b]] for a in range(len(word)) for b in range(a + 2, len(word) + 1)
+                           if word[a:b] in nano_ranks):
+            step = rank_bpe(nano_ranks, word, max_rank=rank + 1)
+            merges += step != parts
+            parts = step
+        print(f"{word!r}: {merges} merges -> {show(parts)}")
 
 # %% [markdown]
 # ### Exercise 5 ★★ · Change a knob: no pre-tokenizer
 #
-# Train 300 merges on `textwrap.py` again with your `my_train_bpe`, but pass `lambda text: [text]` as the
-# pre-tokenizer, so the whole file is one piece. Predict: which kind of tokens appear that K2's regex forbids? How
-# many of the 300 contain a letter followed by a space?
+# Train 300 merges on `textwrap.py` again with `mine.my_train_bpe` (yours, or the reference), but pass
+# `lambda text: [text]` as the pre-tokenizer, so the whole file is one piece. Predict: which kind of tokens appear
+# that K2's regex forbids? How many of the 300 contain a letter followed by a space?
 
 # %%
 # your code here
 
 # %% [markdown] tags=["hint"]
-# Look for tokens such as `e ` or `s.`: a word's last letters glued to the space or punctuation after it. Count
-# them with a regular expression such as `rb"[a-z] "`.
+# **Hint 1 · the idea**
+#
+# Without the regex, nothing stops a merge across a word's end: look for tokens such as `e ` or `s.`, a word's last
+# letters glued to the space or punctuation after it.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# `[l + r for l, r in mine.my_train_bpe([inspect.getsource(textwrap)], 300, lambda text: [text])]`, then count the
+# tokens for which `re.search(rb"[a-z] ", t)` finds something.
 
 # %% [markdown] tags=["solution"]
 # Without the pre-tokenizer, the most frequent pairs straddle word boundaries: a word's end merges with the space,
@@ -471,10 +518,12 @@ for word in (b" radius", b" perimeter"):
 # piece.
 
 # %% tags=["solution"]
+# Solution (click to show)
 import re
 
-whole = [left + right for left, right in my_train_bpe([inspect.getsource(textwrap)], 300, lambda text: [text])]
+whole = [left + right for left, right in mine.my_train_bpe([inspect.getsource(textwrap)], 300, lambda text: [text])]
 crossing = [t for t in whole if re.search(rb"[a-z] ", t)]
-print(f"{len(crossing)} of {len(whole)} tokens hold a letter followed by a space, e.g.",
-      [t.decode(errors="replace") for t in crossing[:8]])
-print("with K2's regex:", sum(bool(re.search(rb"[a-z] ", t)) for t in learned))
+with lab.folded():
+    print(f"{len(crossing)} of {len(whole)} tokens hold a letter followed by a space, e.g.",
+          [t.decode(errors="replace") for t in crossing[:8]])
+    print("with K2's regex:", sum(bool(re.search(rb"[a-z] ", t)) for t in learned))

@@ -53,34 +53,42 @@ wavelength = 2 * math.pi / theta  # [R/2] positions per turn
 # ### Exercise 1 ★ · Write it yourself: the rotation
 #
 # `my_rotate(x, positions, inv_freq)` turns each pair (x_i, x_{i+R/2}) of row t by the angle
-# positions[t] × inv_freq[i]. The check compares it with k2lab's `apply_rotary` and names the usual slips (the sine's
-# sign, neighbour pairs, the angle divided instead of multiplied, every row turned alike).
+# positions[t] × inv_freq[i]. Running the cell checks it (`@lab.mine` calls `exercises.check_rotation`, which compares
+# it with k2lab's `apply_rotary` and names the usual slips: the sine's sign, neighbour pairs, the angle divided instead
+# of multiplied, every row turned alike) and keeps it in your module, `mine.py`.
 
 # %%
+@lab.mine
 def my_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """x [T, R], positions [T] (integers), inv_freq [R/2] -> [T, R]"""
     raise NotImplementedError
 
-
-print(exercises.check_rotation(my_rotate))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Every pair needs its own angle, position × frequency: one angle per row and per pair. The pair's two numbers sit
+# R/2 apart (the first half holds every pair's first number, the second half every pair's second), and the matrix
+# above turns each (a, b) by its angle.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # The angles are an outer product, `positions[:, None].float() * inv_freq` ([T, R/2]). Split the features with
-# `a, b = x.chunk(2, dim=-1)`: `a` holds each pair's first number, `b` its second. Apply the matrix above to (a, b)
-# and concatenate the two results back along the last dimension.
+# `a, b = x.chunk(2, dim=-1)`. Apply the matrix above to (a, b) and concatenate the two results back along the last
+# dimension.
 
 # %% [markdown] tags=["solution"]
 # Split the features into the two halves, rotate, concatenate:
 
 # %% tags=["solution"]
-def my_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+# Solution (click to show)
+def solution_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     angles = positions[:, None].float() * inv_freq  # [T, R/2]
     a, b = x.chunk(2, dim=-1)  # the pairs' first and second numbers
     return torch.cat([a * angles.cos() - b * angles.sin(), a * angles.sin() + b * angles.cos()], dim=-1)
 
 
-assert exercises.check_rotation(my_rotate)
-print(exercises.check_rotation(my_rotate))
+print(exercises.check_rotation(solution_rotate))
 
 # %% [markdown]
 # ## Why the dot product sees only the distance
@@ -94,7 +102,11 @@ print(exercises.check_rotation(my_rotate))
 #
 # The positions enter only through p − s. Summing over the pairs, the whole rotary dot product depends on the
 # positions only through their distance: RoPE encodes relative position for free, whatever the absolute positions.
-# (In matrix form: the rotation matrices satisfy R(pθ)ᵀR(sθ) = R((s − p)θ).) A numeric check with your `my_rotate`:
+# (In matrix form: the rotation matrices satisfy R(pθ)ᵀR(sθ) = R((s − p)θ).) A numeric check with `my_rotate` from
+# your module (yours if it passed its check, k2lab's reference otherwise: the cell says which):
+
+# %%
+mine = lab.mine.load("my_rotate")
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -104,7 +116,7 @@ nano_freq = rope.inverse_frequencies(nano)
 
 def score(p: int, s: int, inv_freq: torch.Tensor = nano_freq) -> float:
     """The rotary dot product of q at position p and k at position s."""
-    return (my_rotate(q, torch.tensor([p]), inv_freq) @ my_rotate(k, torch.tensor([s]), inv_freq).T).item()
+    return (mine.my_rotate(q, torch.tensor([p]), inv_freq) @ mine.my_rotate(k, torch.tensor([s]), inv_freq).T).item()
 
 
 print(f"score(10, 7) = {score(10, 7):.4f}   score(1010, 1007) = {score(1010, 1007):.4f}   "
@@ -262,15 +274,23 @@ print(f"m = {m:.7f} (config: {k2.yarn_mscale:.7f}); cos/sin factor {rope.cos_sin
 # forgotten, m not squared, ...).
 
 # %%
+@lab.mine
 def my_yarn(cfg: K2Config) -> tuple[torch.Tensor, float]:
     """(inv_freq [R/2], softmax_scale) for cfg's YaRN settings: rope_theta, rope_factor,
     original_max_position_embeddings, beta_fast, beta_slow, mscale_all_dim, qk_head_dim, qk_rope_head_dim."""
     raise NotImplementedError
 
-
-print(exercises.check_yarn_frequencies(my_yarn))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Three steps, as derived above. Which pairs are kept and which divided: d(β) says which pair turns β times in the
+# original context; round the fast end down and the slow end up, and ramp linearly between them over the pair
+# index. Each pair's frequency is then a blend of its own (ramp 0) and its own divided by s (ramp 1). The scale is
+# the naive one times m², m from `mscale_all_dim`.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Four lines of arithmetic. `base = 1 / cfg.rope_theta ** (torch.arange(0, R, 2, dtype=torch.float64) / R)`;
 # `low = math.floor(d(cfg.beta_fast))`, `high = math.ceil(d(cfg.beta_slow))` (should they ever coincide, widen
 # `high` by 0.001 so as not to divide by zero); the ramp
@@ -281,7 +301,8 @@ print(exercises.check_yarn_frequencies(my_yarn))
 # temperature multiplies both the query and the key side:
 
 # %% tags=["solution"]
-def my_yarn(cfg: K2Config) -> tuple[torch.Tensor, float]:
+# Solution (click to show)
+def solution_yarn(cfg: K2Config) -> tuple[torch.Tensor, float]:
     R, base_, s_, L_ = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_max_position_embeddings
     base_freq = 1.0 / base_ ** (torch.arange(0, R, 2, dtype=torch.float64) / R)  # [R/2] plain RoPE
 
@@ -295,30 +316,35 @@ def my_yarn(cfg: K2Config) -> tuple[torch.Tensor, float]:
     return base_freq / s_ * ramp + base_freq * (1 - ramp), cfg.qk_head_dim**-0.5 * m_**2
 
 
-assert exercises.check_yarn_frequencies(my_yarn)
-print(exercises.check_yarn_frequencies(my_yarn))
+print(exercises.check_yarn_frequencies(solution_yarn))
 
 # %% [markdown]
 # ## Your two pieces together
 #
 # Your frequencies are the model's (the check compared them with `k2lab.model.rope`), and your rotation turns
 # vectors with them. K2 against DeepSeek-V3, as the share of each pair's frequency that YaRN divides away (0: kept,
-# 1: divided by the full factor), and the relative-position property at K2's far end, with your own frequencies:
+# 1: divided by the full factor), and the relative-position property at K2's far end, with the frequencies of your
+# module (yours where they passed their check; the next cell says which):
+
+# %%
+mine = lab.mine.load("my_rotate", "my_yarn")
 
 # %%
 # NBVAL_CHECK_OUTPUT
 v3 = k2.replace(**exercises.DEEPSEEK_V3_ROPE)
 for name, cfg in (("K2", k2), ("DeepSeek-V3", v3)):
     base_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, R, 2, dtype=torch.float64) / R)  # plain RoPE
-    inv_freq, scale = my_yarn(cfg)
+    inv_freq, scale = mine.my_yarn(cfg)
     ramp = ((1 - inv_freq / base_freq) / (1 - 1 / cfg.rope_factor)).clamp(min=0)  # 0 kept, 1 divided by the factor
     print(f"{name:<12} range {rope.yarn_correction_range(cfg)}, scale {scale:.5f}, ramp "
           f"{' '.join(f'{r:.2f}' for r in ramp[8:26].tolist())} (pairs 8..25)")
 
 q64, k64 = torch.randn(2, R, generator=torch.Generator().manual_seed(0), dtype=torch.float64).chunk(2)
-inv_freq = my_yarn(k2)[0]  # float64: angles near 131,000 radians keep their digits
-far = lambda p, s_: (my_rotate(q64, torch.tensor([p]), inv_freq) @ my_rotate(k64, torch.tensor([s_]), inv_freq).T)
-print(f"K2, your YaRN: score(10, 7) = {far(10, 7).item():.4f}, score(131000, 130997) = {far(131_000, 130_997).item():.4f}")
+inv_freq = mine.my_yarn(k2)[0].double()  # float64: angles near 131,000 radians keep their digits
+far = lambda p, s_: (mine.my_rotate(q64, torch.tensor([p]), inv_freq)  # noqa: E731
+                     @ mine.my_rotate(k64, torch.tensor([s_]), inv_freq).T)
+print(f"K2, my_yarn: score(10, 7) = {far(10, 7).item():.4f}, "
+      f"score(131000, 130997) = {far(131_000, 130_997).item():.4f}")
 
 # %% [markdown]
 # DeepSeek-V3's β_fast = 32 stops keeping pairs at pair 10 and ramps over pairs 11..22; K2's β_fast = 1 keeps pairs up
@@ -366,17 +392,28 @@ print(f"nano softmax scale: {nano.softmax_scale:.7f} (= {nano.qk_head_dim}^-0.5 
 # your code here
 
 # %% [markdown] tags=["hint"]
-# Look at what d(β) depends on: R, the base, the original context L and β. Is the factor s among them? Then look at
-# what m depends on.
+# **Hint 1 · the idea**
+#
+# Two different questions: which pairs are stretched (the ramp's range) and by how much (the factor s).
+# Write down what each of them depends on.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# d(β) depends on R, the base, the original context L and β: is s among them? Compare
+# `rope.yarn_correction_range` and `softmax_scale` of `k2.replace(rope_factor=64.0, max_position_embeddings=262_144)`
+# with K2's.
 
 # %% [markdown] tags=["solution"]
 # The range depends only on β, the base and the original context (4,096), so the same pairs 20..31 are stretched;
 # they are divided by 64 instead of 32, and m = 0.1·ln(64) + 1, hence the softmax scale, grows.
 
 # %% tags=["solution"]
+# Solution (click to show)
 k2_0905 = k2.replace(rope_factor=64.0, max_position_embeddings=262_144)
-print(f"factor 32: range {rope.yarn_correction_range(k2)}, softmax scale {k2.softmax_scale:.5f}")
-print(f"factor 64: range {rope.yarn_correction_range(k2_0905)}, softmax scale {k2_0905.softmax_scale:.5f}")
+with lab.folded():
+    print(f"factor 32: range {rope.yarn_correction_range(k2)}, softmax scale {k2.softmax_scale:.5f}")
+    print(f"factor 64: range {rope.yarn_correction_range(k2_0905)}, softmax scale {k2_0905.softmax_scale:.5f}")
 
 # %% [markdown]
 # ### Exercise 4 ★ · Change a knob
@@ -388,14 +425,24 @@ print(f"factor 64: range {rope.yarn_correction_range(k2_0905)}, softmax scale {k
 # your code here
 
 # %% [markdown] tags=["hint"]
-# A smaller base makes every θ_i = base^{-2i/R} larger: each pair spins faster. Which pairs now manage a full turn
-# in 4,096 positions?
+# **Hint 1 · the idea**
+#
+# The kept pairs are those that turned often enough within the original 4,096 positions. What does a smaller
+# base do to every pair's speed?
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# `rope.yarn_correction_dim(1.0, R, 10_000.0, L)` is d(1) for the new base; `rope.yarn_ramp(k2.replace(rope_theta=
+# 10_000.0))` is 0 for every kept pair.
 
 # %% [markdown] tags=["solution"]
 # Every pair spins faster with base 10,000, so more of them complete a turn within 4,096 positions: d(1) moves from
 # 19.2 to 22.5, and pairs 0..22 keep their frequency.
 
 # %% tags=["solution"]
+# Solution (click to show)
 base_10k = k2.replace(rope_theta=10_000.0)
-print(f"d(1) = {rope.yarn_correction_dim(1.0, R, 10_000.0, L):.2f}, range {rope.yarn_correction_range(base_10k)}, "
-      f"kept pairs: {int((rope.yarn_ramp(base_10k) == 0).sum())}")
+with lab.folded():
+    print(f"d(1) = {rope.yarn_correction_dim(1.0, R, 10_000.0, L):.2f}, range {rope.yarn_correction_range(base_10k)}, "
+          f"kept pairs: {int((rope.yarn_ramp(base_10k) == 0).sum())}")

@@ -41,9 +41,10 @@ print(about)
 # ### Exercise 1 ★ · Write it yourself: the cache's bytes
 #
 # `my_kv_cache_bytes(cfg, tokens)`: the bytes of MLA's cache in bfloat16 (2 bytes a number), over all layers, for
-# `tokens` positions. Per token and layer MLA caches `kv_lora_rank` + `qk_rope_head_dim` numbers. The check compares
-# with `k2lab.kv_cache_bytes` for K2 and K2-nano, and names the usual slips (one layer only, 4 bytes a number, k_pe or
-# c_KV forgotten, the expanded cache).
+# `tokens` positions. Per token and layer MLA caches `kv_lora_rank` + `qk_rope_head_dim` numbers. Running the cell
+# checks it (`exercises.check_kv_cache_bytes` compares with `k2lab.kv_cache_bytes` for K2 and K2-nano, and names the
+# usual slips: one layer only, 4 bytes a number, k_pe or c_KV forgotten, the expanded cache) and keeps it in your
+# module.
 
 # %%
 import torch
@@ -55,44 +56,55 @@ from k2lab.lab import exercises
 k2 = K2Config.kimi_k2()
 
 
+@lab.mine
 def my_kv_cache_bytes(cfg: K2Config, tokens: int) -> int:
     """bytes of the latent KV cache (bfloat16) for ``tokens`` positions, all layers"""
     raise NotImplementedError
 
-
-print(exercises.check_kv_cache_bytes(my_kv_cache_bytes))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# The cache keeps the same few numbers for every token in every layer, and nothing else: count one token's numbers
+# in one layer, then multiply out.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Numbers per token and layer, times 2 bytes, times `cfg.num_hidden_layers`, times `tokens`.
 
 # %% [markdown] tags=["solution"]
 # (512 + 64) numbers × 2 bytes × 61 layers = 70,272 bytes per token for K2:
 
 # %% tags=["solution"]
-def my_kv_cache_bytes(cfg: K2Config, tokens: int) -> int:
+# Solution (click to show)
+def solution_kv_cache_bytes(cfg: K2Config, tokens: int) -> int:
     return tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * cfg.num_hidden_layers
 
 
-assert exercises.check_kv_cache_bytes(my_kv_cache_bytes)
-print(exercises.check_kv_cache_bytes(my_kv_cache_bytes))
+print(exercises.check_kv_cache_bytes(solution_kv_cache_bytes))
 
 # %% [markdown]
-# With your function for MLA and the same arithmetic for the others, K2's shapes under each scheme (bfloat16, all 61
-# layers; GQA with 8 groups, a common choice):
+# With `my_kv_cache_bytes` from your module for MLA (yours if it passed its check; the next cell says which) and the
+# same arithmetic for the others, K2's shapes under each scheme (bfloat16, all 61 layers; GQA with 8 groups, a common
+# choice):
+
+# %%
+mine = lab.mine.load("my_kv_cache_bytes")
 
 # %%
 # NBVAL_CHECK_OUTPUT
 H, L = k2.num_attention_heads, k2.num_hidden_layers
 per_head = k2.qk_head_dim + k2.v_head_dim  # 192 + 128 numbers: one head's key and value
 schemes = {"MHA (64 heads)": H * per_head * 2 * L, "GQA (8 groups)": 8 * per_head * 2 * L,
-           "MQA (1 group)": per_head * 2 * L, "MLA (c_KV + k_pe)": my_kv_cache_bytes(k2, 1)}
+           "MQA (1 group)": per_head * 2 * L, "MLA (c_KV + k_pe)": mine.my_kv_cache_bytes(k2, 1)}
 for name, nbytes in schemes.items():
     print(f"{name:<18} {nbytes:>10,} bytes per token, {nbytes * 131_072 / 2**30:6.1f} GiB at 131,072 tokens")
+print(f"MHA / MLA = {schemes['MHA (64 heads)'] / schemes['MLA (c_KV + k_pe)']:.1f}")
 print(f"k2lab.kv_cache_bytes: latent {k2lab.kv_cache_bytes(k2, 1):,}, expanded {k2lab.kv_cache_bytes(k2, 1, layout='expanded'):,}")
 
 # %% [markdown]
-# MLA's 70,272 bytes sit between MQA and GQA with 2 groups, 36 times less than MHA's 2.38 MiB. Both are arithmetic on
-# the released config; the 2.38 MiB is also what the release's own `modeling_deepseek.py` caches, since it expands
+# MLA's 70,272 bytes sit between MQA and GQA with 2 groups, 35.6 times less than MHA's 2.38 MiB. Both are
+# arithmetic on the released config; the 2.38 MiB is also what the release's own `modeling_deepseek.py` caches, since it expands
 # and stores every head's keys and values. Which of the two Moonshot's own serving stack keeps, the sources do not
 # say.
 #
@@ -150,31 +162,16 @@ print({name: list(t.shape) for name, t in model.layers[1].self_attn.state_dict()
 # In 02 you wrote `my_rotate` for the rotate-half layout, each pair (x_i, x_{i+R/2}). The checkpoint's projections
 # write each pair as neighbours instead, (x_0, x_1), (x_2, x_3), ..., and the released code de-interleaves them
 # before rotating: `x.view(..., R/2, 2).transpose(-1, -2).reshape(..., R)` puts the evens first, then the odds.
-# Your two pieces from 02 are copied below (replace them with your own); with them, the model's rotated shared key
-# `hook_rot_k_pe` is your rotation of its de-interleaved `hook_k_pe`:
+# Your two pieces from 02 come from your module, `mine.py` (k2lab's reference stands in for a piece you have not
+# written; the cell below says which); with them, the model's rotated shared key `hook_rot_k_pe` is the rotation of
+# its de-interleaved `hook_k_pe`:
+
+# %%
+mine = lab.mine.load("my_rotate", "my_yarn")
 
 # %%
 # NBVAL_CHECK_OUTPUT
-import math
-
 from k2lab.model import rope
-
-
-def my_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:  # from 02
-    angles = positions[:, None].float() * inv_freq
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([a * angles.cos() - b * angles.sin(), a * angles.sin() + b * angles.cos()], dim=-1)
-
-
-def my_yarn(cfg: K2Config) -> tuple[torch.Tensor, float]:  # from 02
-    R, base, s, L0 = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_max_position_embeddings
-    base_freq = 1.0 / base ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
-    d = lambda beta: R * math.log(L0 / (2 * math.pi * beta)) / (2 * math.log(base))
-    low, high = max(math.floor(d(cfg.beta_fast)), 0), min(math.ceil(d(cfg.beta_slow)), R - 1)
-    high = high + 0.001 if high == low else high
-    ramp = ((torch.arange(R // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    m = 0.1 * cfg.mscale_all_dim * math.log(s) + 1
-    return base_freq / s * ramp + base_freq * (1 - ramp), cfg.qk_head_dim**-0.5 * m**2
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -184,14 +181,14 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 cfg = model.config
 positions = torch.arange(ids.shape[1])
-inv_freq = my_yarn(cfg)[0].float()
+inv_freq = mine.my_yarn(cfg)[0].float()
 k_pe = cache["layers.1.self_attn.hook_k_pe"][0].float().cpu()  # [T, R] as kv_a_proj_with_mqa wrote it
-mine = my_rotate(deinterleave(k_pe), positions, inv_freq)
+rotated = mine.my_rotate(deinterleave(k_pe), positions, inv_freq)
 print("my_rotate(deinterleave(k_pe)) == hook_rot_k_pe:",
-      torch.allclose(mine, cache["layers.1.self_attn.hook_rot_k_pe"][0].float().cpu(), atol=1e-5))
+      torch.allclose(rotated, cache["layers.1.self_attn.hook_rot_k_pe"][0].float().cpu(), atol=1e-5))
 
 # %% [markdown]
-# Your `my_rotate` computed cos and sin of p·θ_i itself. The model computes them once per forward pass for all its
+# `my_rotate` computed cos and sin of p·θ_i itself. The model computes them once per forward pass for all its
 # layers and hands each attention layer `cos, sin` of shape [T, R] (each pair's angle written twice, for x_i and for
 # x_{i+R/2}). The same rotation from them is `x * cos + rotate_half(x) * sin`, with `rotate_half(x)` = [−x_{second
 # half}, x_{first half}]:
@@ -208,7 +205,7 @@ angles = torch.cat([positions[:, None].float() * inv_freq] * 2, dim=-1)  # [T, R
 factor = rope.cos_sin_scale(cfg)  # YaRN's factor on cos and sin: 1.0 for K2 and K2-nano (notebook 02)
 cos, sin = angles.cos() * factor, angles.sin() * factor
 print("turn(x, cos, sin) == my_rotate(x, positions, inv_freq):",
-      torch.allclose(turn(deinterleave(k_pe), cos, sin), mine, atol=1e-6))
+      torch.allclose(turn(deinterleave(k_pe), cos, sin), rotated, atol=1e-6))
 
 # %% [markdown]
 # ### Exercise 2 ★★★ · Write it yourself: MLA from the weights
@@ -221,21 +218,30 @@ print("turn(x, cos, sin) == my_rotate(x, positions, inv_freq):",
 # `cos, sin` [T, R] are for the de-interleaved layout; queries attend causally. Follow the table row by row; `turn`
 # and `deinterleave` above are yours to use.
 #
-# The check runs your function on random weights and names the slip it recognises: a norm forgotten, the nope/rope
+# Running the cell checks it (`exercises.check_mla_forward`) and keeps it in your module. The check runs your
+# function on random weights and names the slip it recognises: a norm forgotten, the nope/rope
 # or c_KV/k_pe or k_nope/v split taken the wrong way round, no de-interleave, no rotation, or the rotation backwards,
 # no causal mask, a wrong scale (m forgotten or not squared, N instead of N + R), the softmax over the wrong axis,
 # o_proj forgotten.
 
 # %%
+@lab.mine
 def my_mla(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> torch.Tensor:
     """hidden [B, T, D] -> [B, T, D], naive MLA from the weights"""
     raise NotImplementedError
 
-
-print(exercises.check_mla_forward(my_mla))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Two paths leave the input. The query path: down to c_Q, normalise, up to every head's [q_nope | q_pe]. The key
+# path: down to [c_KV | k_pe], normalise c_KV only, up to every head's [k_nope | v]; k_pe stays one vector per token,
+# shared by the heads. Only q_pe and k_pe are rotated (after de-interleaving). Each score adds a content and a rotary
+# dot product, is scaled, masked causally and softmaxed over the keys; the values' weighted sum goes through o_proj.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # RMSNorm is `x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight`. Shape the queries as
 # `.view(B, T, H, N + R)` and split `[..., :N]`, `[..., N:]`; `kv_a_proj_with_mqa` gives `[..., :C]` (the latent) then
 # `[..., C:]` (k_pe, [B, T, R], no head axis); `kv_b_proj` of the normed latent `.view(B, T, H, N + V)` splits into
@@ -246,9 +252,11 @@ print(exercises.check_mla_forward(my_mla))
 
 # %% [markdown] tags=["solution"]
 # The table, row by row. The only subtle lines are the splits (each widths' order is the checkpoint's) and the shared
-# k_pe, which has no head axis: the einsum for the rotary term broadcasts it over the heads.
+# k_pe, which has no head axis: the einsum for the rotary term broadcasts it over the heads. The solution is named
+# `solution_mla`, so running it never replaces yours.
 
 # %% tags=["solution"]
+# Solution (click to show)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
@@ -266,7 +274,7 @@ def mla_inputs(w, cfg, hidden, cos, sin):
     return q_nope, q_pe, c_kv, k_pe
 
 
-def my_mla(w, cfg, hidden, cos, sin):
+def solution_mla(w, cfg, hidden, cos, sin):
     H, N, V = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
     B, T, _ = hidden.shape
     q_nope, q_pe, c_kv, k_pe = mla_inputs(w, cfg, hidden, cos, sin)
@@ -279,26 +287,29 @@ def my_mla(w, cfg, hidden, cos, sin):
     return z @ w["o_proj.weight"].T
 
 
-assert exercises.check_mla_forward(my_mla)
-print(exercises.check_mla_forward(my_mla))
+print(exercises.check_mla_forward(solution_mla))
 
 # %% [markdown]
 # ### Your MLA inside K2-nano
 #
 # The check used random weights. Now the real thing: layer 1 of the model, its weights from its `state_dict`, its
-# input the recorded output of the block's first norm, cos and sin from **your** YaRN frequencies of 02; your output
+# input the recorded output of the block's first norm, cos and sin from the YaRN frequencies of your module; the
+# output of `my_mla` from your module (yours if it passed its check, else k2lab's reference: the next cell says which)
 # against the recorded `layers.1.hook_attn_out`:
+
+# %%
+mine = lab.mine.load("my_yarn", "my_mla")
 
 # %%
 # NBVAL_CHECK_OUTPUT
 attn = model.layers[1].self_attn
 w = {name: t.detach().float().cpu() for name, t in attn.state_dict().items()}
 hidden = cache["layers.1.input_layernorm.hook_out"].float().cpu()  # [1, T, D]
-out = my_mla(w, cfg, hidden, cos, sin)
+out = mine.my_mla(w, cfg, hidden, cos, sin)
 reference = cache["layers.1.hook_attn_out"].float().cpu()
 gap = (out - reference).abs().max().item()
 tolerance = 1e-5 if model.dtype == torch.float32 else 3e-2  # a bfloat16 model computed the reference more coarsely
-print(f"your MLA == layer 1's attention: {gap <= tolerance * max(1.0, reference.abs().max().item())}")
+print(f"my_mla == layer 1's attention: {gap <= tolerance * max(1.0, reference.abs().max().item())}")
 
 # %% [markdown]
 # ## The absorbed form: attention over the cache itself
@@ -323,14 +334,21 @@ print(f"your MLA == layer 1's attention: {gap <= tolerance * max(1.0, reference.
 # built anyway, whole or one head at a time, fails it even when the scores are right.
 
 # %%
+@lab.mine
 def my_absorbed_score(q_nope, q_pe, c_kv, k_pe, w_uk, scale) -> torch.Tensor:
     """q_nope [T, H, N], q_pe [T, H, R], c_kv [S, C], k_pe [S, R], w_uk [H, N, C] -> scores [H, T, S] (no mask)"""
     raise NotImplementedError
 
-
-print(exercises.check_absorbed_score(my_absorbed_score))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Fold 1 above, term by term: map each head's query into latent space with W_UKᵀ (C numbers per head and query) and
+# dot it with every cached latent; the rotary term needs no folding, since k_pe is already one vector per position.
+# Mind the order in which you multiply: W_UK must meet the query first.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # `torch.einsum("thn,hnc->htc", q_nope, w_uk)` is every head's W_UKᵀ q, [H, T, C]; multiply by `c_kv.T` for the
 # content part. The rotary part needs no folding: `einsum("thr,sr->hts", q_pe, k_pe)`.
 
@@ -339,20 +357,21 @@ print(exercises.check_absorbed_score(my_absorbed_score))
 # On layer 1's probes it reproduces the model's own scores:
 
 # %% tags=["solution"]
-def my_absorbed_score(q_nope, q_pe, c_kv, k_pe, w_uk, scale) -> torch.Tensor:
+# Solution (click to show)
+def solution_absorbed_score(q_nope, q_pe, c_kv, k_pe, w_uk, scale) -> torch.Tensor:
     q_latent = torch.einsum("thn,hnc->htc", q_nope, w_uk)  # [H, T, C]
     return scale * (q_latent @ c_kv.T + torch.einsum("thr,sr->hts", q_pe, k_pe))
 
 
-assert exercises.check_absorbed_score(my_absorbed_score)
-print(exercises.check_absorbed_score(my_absorbed_score))
+print(exercises.check_absorbed_score(solution_absorbed_score))
 p = "layers.1.self_attn."
 w_uk = w["kv_b_proj.weight"].view(attn.num_heads, attn.nope_dim + attn.v_dim, -1)[:, :attn.nope_dim]  # [H, N, C]
-mine = my_absorbed_score(*(cache[p + name][0].float().cpu() for name in ("hook_q_nope", "hook_rot_q_pe",
-                                                                      "hook_kv_latent", "hook_rot_k_pe")),
-                         w_uk, attn.softmax_scale)
+solved = solution_absorbed_score(*(cache[p + name][0].float().cpu() for name in ("hook_q_nope", "hook_rot_q_pe",
+                                                                              "hook_kv_latent", "hook_rot_k_pe")),
+                                 w_uk, attn.softmax_scale)
 scores = cache[p + "hook_attn_scores"][0].float().cpu()  # [H, T, S], -inf above the diagonal
-print(f"layer 1, all heads: max |mine - hook_attn_scores| = {(mine - scores)[scores.isfinite()].abs().max():.1e}")
+print(f"layer 1, all heads: max |solution - hook_attn_scores| = "
+      f"{(solved - scores)[scores.isfinite()].abs().max():.1e}")
 
 # %% [markdown]
 # **Fold 2: W_UV after attention.** Head h's output is a weighted sum of values, and W_UV,h is the same for every
@@ -383,15 +402,23 @@ print(f"layer 1, all heads: max |mine - hook_attn_scores| = {(mine - scores)[sco
 # by head), and it must give the naive output.
 
 # %%
+@lab.mine
 def my_mla_absorbed(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor) -> torch.Tensor:
     """hidden [B, T, D] -> [B, T, D], attending over [c_KV ; k_pe] without expanding it"""
     raise NotImplementedError
 
-
-print(exercises.check_mla_forward(my_mla_absorbed, absorbed=True))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Everything up to the latent and the rotated k_pe is the naive path's. Then one attention whose keys are the cache
+# rows [c_KV ; k_pe] (the same for every head), whose queries are each head's [W_UKᵀ q_nope ; q_pe], and whose values
+# are the c_KV rows themselves; only after the weighted sum does each head's W_UV turn C numbers into V. The scale is
+# the naive one.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Reuse the first half of your `my_mla` (up to c_KV and the rotated k_pe). Split `kv_b_proj.weight` as
 # `.view(H, N + V, C)` into W_UK `[:, :N]` and W_UV `[:, N:]`. Query `torch.cat([einsum("bthn,hnc->bthc", q_nope,
 # W_UK), q_pe], -1)` [B, T, H, C + R]; key `torch.cat([c_kv, k_pe], -1)` [B, S, C + R]; scores
@@ -404,7 +431,8 @@ print(exercises.check_mla_forward(my_mla_absorbed, absorbed=True))
 # W_O·W_UV product multiplied ahead of time:
 
 # %% tags=["solution"]
-def my_mla_absorbed(w, cfg, hidden, cos, sin):
+# Solution (click to show)
+def solution_mla_absorbed(w, cfg, hidden, cos, sin):
     H, N, V, C = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     T = hidden.shape[1]
     q_nope, q_pe, c_kv, k_pe = mla_inputs(w, cfg, hidden, cos, sin)
@@ -419,9 +447,9 @@ def my_mla_absorbed(w, cfg, hidden, cos, sin):
     return z.flatten(2) @ w["o_proj.weight"].T
 
 
-assert exercises.check_mla_forward(my_mla_absorbed, absorbed=True)
-print(exercises.check_mla_forward(my_mla_absorbed, absorbed=True))
-print(f"on layer 1: max |absorbed - naive| = {(my_mla_absorbed(w, cfg, hidden, cos, sin) - out).abs().max():.1e}")
+print(exercises.check_mla_forward(solution_mla_absorbed, absorbed=True))
+print(f"on layer 1: max |absorbed - naive| = "
+      f"{(solution_mla_absorbed(w, cfg, hidden, cos, sin) - solution_mla(w, cfg, hidden, cos, sin)).abs().max():.1e}")
 
 Hn, Nn, Vn = attn.num_heads, attn.nope_dim, attn.v_dim
 w_uv = w["kv_b_proj.weight"].view(Hn, Nn + Vn, -1)[:, Nn:]  # [H, V, C]
@@ -476,7 +504,7 @@ print(f"attention patterns equal in every layer: {same}")
 # | absorbed, latent cache | S · (C + R) · 2 | 2·H·S·(C + R) + 2·H·S·C |
 #
 # The absorbed path does about 3.4 times **more** arithmetic (it attends in 576 dimensions instead of 192) but
-# reads 35 times fewer bytes. Decoding is limited by memory bandwidth, so this is a good trade: the arithmetic
+# reads 35.6 times fewer bytes. Decoding is limited by memory bandwidth, so this is a good trade: the arithmetic
 # per byte read rises from 1 to about 120 FLOPs.
 
 # %%
@@ -498,7 +526,9 @@ costs = [decode_cost(S) for S in context]
 S = 8192
 c = decode_cost(S)
 print(f"at S = {S:,}: expanded {c['expanded GFLOP'] / c['expanded GiB'] / 2**30 * 1e9:.1f} FLOP/byte, "
-      f"absorbed {c['latent GFLOP'] / c['latent GiB'] / 2**30 * 1e9:.0f} FLOP/byte")
+      f"absorbed {c['latent GFLOP'] / c['latent GiB'] / 2**30 * 1e9:.0f} FLOP/byte; the absorbed path reads "
+      f"{c['expanded GiB'] / c['latent GiB']:.1f} times fewer bytes and does {c['latent GFLOP'] / c['expanded GFLOP']:.1f} "
+      f"times the FLOPs")
 
 # %% tags=["nbval-ignore-output"]
 from k2lab import viz
@@ -514,7 +544,7 @@ viz.lines_figure(context, {"bytes read per decode step = cache size (GiB)": seri
 
 # %% [markdown]
 # Both panels are straight lines in log-log: bytes and FLOPs grow in proportion to the context. On the left the
-# latent cache stays 35 times below the expanded one at every length; on the right it costs about 3.4 times more
+# latent cache stays 35.6 times below the expanded one at every length; on the right it costs about 3.4 times more
 # arithmetic, which a GPU has to spare while it waits for the bytes.
 #
 # ## Attention patterns in K2-nano
@@ -595,7 +625,14 @@ viz.score_split_figure(content, rotary, tokens,
 # your code here
 
 # %% [markdown] tags=["hint"]
-# Which of the cached numbers has a head axis? c_KV and k_pe are per token, not per head.
+# **Hint 1 · the idea**
+#
+# Ask of every number each cache keeps per token: does it exist once per head, or once per token?
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# `k2lab.kv_cache_bytes(k2.replace(num_attention_heads=128), 1)` and the same with `layout="expanded"`, beside K2's.
 
 # %% [markdown] tags=["solution"]
 # MLA's cache has no head axis: c_KV and the shared k_pe are per token, so 70,272 bytes stay 70,272. MHA's doubles.
@@ -603,10 +640,12 @@ viz.score_split_figure(content, rotary, tokens,
 # report weighs when it halves the heads.
 
 # %% tags=["solution"]
-for heads in (64, 128):
-    cfg_h = k2.replace(num_attention_heads=heads)
-    print(f"{heads} heads: MLA {k2lab.kv_cache_bytes(cfg_h, 1):,} bytes per token, "
-          f"MHA {k2lab.kv_cache_bytes(cfg_h, 1, layout='expanded'):,}")
+# Solution (click to show)
+with lab.folded():
+    for heads in (64, 128):
+        cfg_h = k2.replace(num_attention_heads=heads)
+        print(f"{heads} heads: MLA {k2lab.kv_cache_bytes(cfg_h, 1):,} bytes per token, "
+              f"MHA {k2lab.kv_cache_bytes(cfg_h, 1, layout='expanded'):,}")
 
 # %% [markdown]
 # ### Exercise 6 ★ · Change a knob
@@ -619,8 +658,15 @@ for heads in (64, 128):
 # your code here
 
 # %% [markdown] tags=["hint"]
-# bfloat16 keeps 8 bits of mantissa, about 2 to 3 significant digits. The two paths add the same products in another
-# order.
+# **Hint 1 · the idea**
+#
+# The two paths compute the same sums in another order. How many digits does each partial sum keep in bfloat16?
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# `half = copy.deepcopy(model).to(torch.bfloat16)`, then `half(ids, attn_impl="naive")` and `"absorbed"`; compare
+# their largest difference and their `argmax(-1)`.
 
 # %% [markdown] tags=["solution"]
 # bfloat16 keeps 8 bits of mantissa, so the two orders of summation drift apart far more than in float32; the printed
@@ -628,9 +674,11 @@ for heads in (64, 128):
 # second logit do not change the argmax.
 
 # %% tags=["solution"]
+# Solution (click to show)
 import copy
 
 half = copy.deepcopy(model).to(torch.bfloat16)
 naive16, absorbed16 = half(ids, attn_impl="naive"), half(ids, attn_impl="absorbed")
-print(f"bfloat16: max |naive - absorbed| = {(naive16 - absorbed16).abs().max().item():.2e}; "
-      f"same top token at {(naive16.argmax(-1) == absorbed16.argmax(-1)).float().mean().item():.0%} of positions")
+with lab.folded():
+    print(f"bfloat16: max |naive - absorbed| = {(naive16 - absorbed16).abs().max().item():.2e}; "
+          f"same top token at {(naive16.argmax(-1) == absorbed16.argmax(-1)).float().mean().item():.0%} of positions")

@@ -129,45 +129,59 @@ viz.router_token_figure(tr.scores[j, 0, -1], bias, tr.indices[j, 0, -1], tr.weig
 #
 # Write the five stages as one function over a batch of tokens: `x` [N, D] the router's inputs, `weight` [E, D] its
 # matrix (`gate.weight`), `bias` [E] the correction bias, then `top_k` and `scaling`. Return the chosen experts
-# [N, k] and their weights [N, k], in any order of the k slots. The check runs it on a random router whose bias is
-# far from zero (a zero bias would hide the commonest slips), against k2lab's `Router`, and names what it recognises:
-# the bias in the weights, a softmax, no renormalisation, no scaling, the bias on the logits, ...
+# [N, k] and their weights [N, k], in any order of the k slots. Running the cell checks it
+# (`exercises.check_router` runs it on a random router whose bias is far from zero, since a zero bias would hide the
+# commonest slips, against k2lab's `Router`, and names what it recognises: the bias in the weights, a softmax, no
+# renormalisation, no scaling, the bias on the logits, ...) and keeps it in your module.
 
 # %%
 from k2lab.lab import exercises
 
 
+@lab.mine
 def my_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
     """x [N, D], weight [E, D], bias [E] -> (idx [N, k], weights [N, k])"""
     raise NotImplementedError
 
-
-print(exercises.check_router(my_router))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# The five stages above, for all tokens at once. The bias enters exactly once: it decides which experts are chosen.
+# The weights are read from the affinities s of the chosen experts, renormalised over the k of them and scaled.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Three lines do it. `s = (x @ weight.T).sigmoid()`; the experts are `(s + bias).topk(top_k, dim=-1).indices`;
 # the weights are gathered from **s**, not from `s + bias` (`s.gather(-1, idx)`), then divided by their sum over the
 # k slots and multiplied by `scaling`.
 
 # %% [markdown] tags=["solution"]
-# The bias enters once, in the top-k, and the weights are read from s at the chosen indices. Then the function runs on
-# the real input of the last MoE layer, which the probe `post_attention_layernorm.hook_out` records (the block's
-# second norm of the residual, [04b](04b_block.ipynb)), and must choose what the model chose for every token.
+# The bias enters once, in the top-k, and the weights are read from s at the chosen indices:
 
 # %% tags=["solution"]
-def my_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+# Solution (click to show)
+def solution_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
     s = (x.float() @ weight.float().T).sigmoid()  # [N, E] stages 1-2
     idx = (s + bias).topk(top_k, dim=-1).indices  # [N, k] stages 3-4: the bias chooses ...
     w = s.gather(-1, idx)  # [N, k] ... but the weights come from s
     return idx, w / w.sum(-1, keepdim=True) * scaling  # stage 5
 
 
-print(exercises.check_router(my_router))
+print(exercises.check_router(solution_router))
+
+# %% [markdown]
+# Your router (from your module: yours if it passed its check, else k2lab's reference, as the first lines say) on
+# the real input of the last MoE layer, which the probe `post_attention_layernorm.hook_out` records (the block's
+# second norm of the residual, [04b](04b_block.ipynb)). It must choose what the model chose for every token:
+
+# %%
+mine = lab.mine.load("my_router")
 _, full = model.run_with_cache(ids, names=f"layers.{layer}.")
 h = full[f"layers.{layer}.post_attention_layernorm.hook_out"][0]  # [T, D] what the router reads
-mine, mine_w = my_router(h, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.scaling)
+chosen, chosen_w = mine.my_router(h, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.scaling)
 theirs = full[f"layers.{layer}.mlp.gate.hook_topk_idx"][0]  # [T, k]
-print("same experts as hook_topk_idx for every token:", torch.equal(mine.sort(-1).values, theirs.sort(-1).values))
+print("same experts as hook_topk_idx for every token:", torch.equal(chosen.sort(-1).values, theirs.sort(-1).values))
 
 # %% [markdown]
 # ## Why not softmax: the same logits, two routers
@@ -406,10 +420,14 @@ viz.widgets.router_explorer(tr, tokens, logits=router_logits)
 # %% [markdown]
 # ## Groups
 #
-# DeepSeek-V3 also limits each token to the experts of its best `topk_group` of `n_group` groups (a group scored by
-# the sum of its two best choice scores; DeepSeek-V3 keeps 4 of 8 groups, which its report uses to bound how many
-# nodes a token's experts sit on). K2 sets `n_group = 1`, so the limit does nothing; `k2lab` implements it
-# anyway (`routing.select_experts`, `routing.allowed_experts`) for DeepSeek-V3 checkpoints.
+# DeepSeek-V3 also limits each token to the experts of its best `topk_group` of `n_group` groups: its 256 experts
+# form 8 groups of 32 consecutive experts, a group is scored by the sum of its two best choice scores s + b, each
+# token keeps its 4 best groups and chooses its 8 experts among their 128 only. Its report (arXiv 2412.19437, section
+# 2.1.2, "node-limited routing") uses the rule to bound how many nodes a token's experts sit on, when each node holds
+# a group. K2 sets `n_group = 1` (its released config; the K2 report's Table 2 says "no expert grouping"), so the limit
+# does nothing; `k2lab` implements it anyway (`routing.select_experts`, `routing.allowed_experts`) for DeepSeek-V3
+# checkpoints. What the sources leave unsaid: why two best scores and not one or all; neither report argues the
+# choice.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -421,9 +439,64 @@ print("select_experts reproduces the router:",
                                          model.config.topk_group), tr.indices))
 
 # %% [markdown]
+# ### Exercise 2 ★★ · Write it yourself: group-limited routing
+#
+# `my_group_router(s, bias, top_k, n_group, topk_group)`: the experts each token chooses [N, k] (any order of the k
+# slots) from its affinities s [N, E] and the correction bias [E], under DeepSeek-V3's rule above. Running the cell
+# checks it (`exercises.check_group_router`, with DeepSeek-V3's own setting, 8 groups of which 4 are kept, and a
+# smaller one, against `routing.select_experts`; it names the slips it knows: a group scored by its best expert or by
+# all of them, groups scored without the bias, strided groups, the groups ignored) and keeps it in your module.
+
+# %%
+@lab.mine
+def my_group_router(s: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int) -> torch.Tensor:
+    """s [N, E] affinities, bias [E] -> idx [N, top_k]: top-k of s + bias among the topk_group best groups"""
+    raise NotImplementedError
+
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Two choices, both made with the choice scores s + b. First the groups: view each token's E scores as n_group rows
+# of E / n_group consecutive experts, score each row by its two largest entries, keep the topk_group best rows.
+# Then the experts: hide every expert outside the kept groups and take the top-k of what is left.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# `choice = s + bias`; `group_score = choice.view(N, n_group, -1).topk(2, dim=-1).values.sum(-1)` [N, G];
+# `keep = group_score.topk(topk_group, dim=-1).indices`; a [N, G] boolean mask with `scatter_` (or `torch.zeros(...)
+# .scatter(1, keep, True)`), expanded to [N, E] with `repeat_interleave(E // n_group, dim=-1)`; then
+# `choice.masked_fill(~mask, -torch.inf).topk(top_k, dim=-1).indices`.
+
+# %% [markdown] tags=["solution"]
+# The groups first, from the sum of each group's two best choice scores, then the top-k among the kept groups'
+# experts. On a DeepSeek-V3-shaped router (random affinities and bias) the limit changes the choice of most tokens:
+
+# %% tags=["solution"]
+# Solution (click to show)
+def solution_group_router(s: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+                          topk_group: int) -> torch.Tensor:
+    choice = s + bias  # [N, E]
+    N, E = choice.shape
+    group_score = choice.view(N, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)  # [N, G]
+    keep = group_score.topk(topk_group, dim=-1).indices  # [N, topk_group]
+    allowed = torch.zeros(N, n_group, dtype=torch.bool).scatter(1, keep, True)  # [N, G]
+    allowed = allowed.repeat_interleave(E // n_group, dim=-1)  # [N, E]: each group's consecutive experts
+    return choice.masked_fill(~allowed, -torch.inf).topk(top_k, dim=-1).indices  # [N, k]
+
+
+print(exercises.check_group_router(solution_group_router))
+v3_gen = torch.Generator().manual_seed(0)
+v3_s, v3_bias = torch.rand(1000, 256, generator=v3_gen), (torch.rand(256, generator=v3_gen) - 0.5) * 0.1
+limited = solution_group_router(v3_s, v3_bias, 8, 8, 4)
+free = (v3_s + v3_bias).topk(8, dim=-1).indices
+changed = (limited.sort(-1).values != free.sort(-1).values).any(-1).float().mean().item()
+print(f"DeepSeek-V3's shape, random scores: the 4-of-8-groups limit changes the experts of {changed:.0%} of tokens")
+
+# %% [markdown]
 # ## More exercises
 #
-# ### Exercise 2 ★ · Predict, then run: one expert's bias
+# ### Exercise 3 ★ · Predict, then run: one expert's bias
 #
 # Raise one expert's bias in the last MoE layer by +1.0 (with `edit_bias`). What share of the prompt's tokens will
 # choose it? Predict from the table of steps 1–3 (the sizes of s and of the other biases), then count with
@@ -433,8 +506,15 @@ print("select_experts reproduces the router:",
 # your code here
 
 # %% [markdown] tags=["hint"]
-# A choice score is s + b with s in (0, 1). Compare 1 + (the expert's smallest s over the prompt) with the largest
-# choice score any other expert reaches. To count: inside `with edit_bias(model, {layer: lambda b: ...})`, take
+# **Hint 1 · the idea**
+#
+# A choice score is s + b with s in (0, 1): how far can the other experts' scores reach, and where does +1 put this
+# one?
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# Inside `with edit_bias(model, {layer: lambda b: ...})`, take
 # `routing.trace(model, ids)` and test `(trace.indices[trace.row(layer), 0] == expert).any(-1)` for each token.
 
 # %% [markdown] tags=["solution"]
@@ -444,15 +524,17 @@ print("select_experts reproduces the router:",
 # an expert that may not suit it.
 
 # %% tags=["solution"]
+# Solution (click to show)
 target = int(tr.indices[tr.row(layer), 0, -1, -1])  # any expert will do; here the last token's k-th choice
 with edit_bias(model, {layer: lambda b: b.index_add(0, torch.tensor([target], device=b.device), b.new_ones(1))}):
     boosted = routing.trace(model, ids)
 share = (boosted.indices[boosted.row(layer), 0] == target).any(-1).float().mean().item()
-print(f"expert {target} at layer {layer}: chosen by {share:.0%} of tokens (before: "
-      f"{(tr.indices[tr.row(layer), 0] == target).any(-1).float().mean().item():.0%})")
+with lab.folded():
+    print(f"expert {target} at layer {layer}: chosen by {share:.0%} of tokens (before: "
+          f"{(tr.indices[tr.row(layer), 0] == target).any(-1).float().mean().item():.0%})")
 
 # %% [markdown]
-# ### Exercise 3 ★★ · Change a knob: half and double the bias
+# ### Exercise 4 ★★ · Change a knob: half and double the bias
 #
 # Scale every MoE layer's bias by 0.5 and by 2 (`edit_bias(model, {i: lambda b: 0.5 * b for i in tr.layers})`) and
 # measure MaxVio and the loss with `balance_and_loss`. Predict the direction of each before you run. Is doubling
@@ -462,9 +544,16 @@ print(f"expert {target} at layer {layer}: chosen by {share:.0%} of tokens (befor
 # your code here
 
 # %% [markdown] tags=["hint"]
-# Only the spread of the bias matters, and the trained spread was found by the balancing rule for these experts.
-# Halving it gives the affinities more say; doubling it lets the bias overrule them. Think about which experts the
-# doubled bias favours: the ones that were idle without it.
+# **Hint 1 · the idea**
+#
+# Only the spread of the bias matters, and the trained spread is where the balancing rule stopped moving it. What does
+# a smaller spread give back to the affinities, and what does a larger one take from them?
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# `balance_and_loss({i: (lambda b, f=factor: f * b) for i in tr.layers})` for `factor in (0.5, 2.0)`, beside
+# `vio_with, loss_with` (the trained bias) and `loss_without` (no bias).
 
 # %% [markdown] tags=["solution"]
 # Neither helps. Halving the bias gives the affinities more say and the load drifts back towards the busy experts:
@@ -475,8 +564,10 @@ print(f"expert {target} at layer {layer}: chosen by {share:.0%} of tokens (befor
 # without overruling the affinities.
 
 # %% tags=["solution"]
-for factor in (0.5, 2.0):
-    vio, loss = balance_and_loss({i: (lambda b, f=factor: f * b) for i in tr.layers})
-    print(f"bias x {factor}: MaxVio {[round(v, 2) for v in vio.tolist()]}, loss {loss:.3f} "
-          f"(trained bias: {[round(v, 2) for v in vio_with.tolist()]}, {loss_with:.3f}; "
-          f"no bias: {loss_without:.3f})")
+# Solution (click to show)
+with lab.folded():
+    for factor in (0.5, 2.0):
+        vio, loss = balance_and_loss({i: (lambda b, f=factor: f * b) for i in tr.layers})
+        print(f"bias x {factor}: MaxVio {[round(v, 2) for v in vio.tolist()]}, loss {loss:.3f} "
+              f"(trained bias: {[round(v, 2) for v in vio_with.tolist()]}, {loss_with:.3f}; "
+              f"no bias: {loss_without:.3f})")

@@ -89,18 +89,25 @@ print(f"{T} tokens; residual stream {list(cache['layers.0.hook_resid_pre'].shape
 #
 # ### Exercise 1 ★ · Write it yourself: RMSNorm
 #
-# `x` is [..., D]; normalise over the last dimension. The check uses a large eps and one tiny row, so that the eps's
-# place shows, and a stream that is not centred, so that LayerNorm's centring shows.
+# `x` is [..., D]; normalise over the last dimension. Running the cell checks it (`exercises.check_rms_norm` uses a
+# large eps and one tiny row, so that the eps's place shows, and a stream that is not centred, so that LayerNorm's
+# centring shows) and keeps it in your module, `mine.py`.
 
 # %%
+@lab.mine
 def my_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D], weight [D] -> [..., D]"""
     raise NotImplementedError
 
-
-print(exercises.check_rms_norm(my_rms_norm))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# One number per row: the root of the mean of its squares, eps added before the root so that a tiny row is not
+# blown up. Divide the row by it, then scale each feature by its weight. Nothing is subtracted.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # `x.pow(2).mean(-1, keepdim=True)` is the mean square of each row, kept as [..., 1] so that it divides the row.
 # The eps goes *inside* the square root, then multiply by `weight`.
 
@@ -108,21 +115,24 @@ print(exercises.check_rms_norm(my_rms_norm))
 # Mean square over the features, eps inside the root, the weight last:
 
 # %% tags=["solution"]
-def my_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+# Solution (click to show)
+def solution_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-print(exercises.check_rms_norm(my_rms_norm))
+print(exercises.check_rms_norm(solution_rms_norm))
 
 # %% [markdown]
-# Your RMSNorm on block 1's real input, against the block's own `input_layernorm`:
+# `my_rms_norm` from your module (yours if it passed its check, else k2lab's reference; the first lines say which)
+# on block 1's real input, against the block's own `input_layernorm`:
 
 # %%
+mine = lab.mine.load("my_rms_norm")
 block = model.layers[1]
 x = cache["layers.1.hook_resid_pre"][0]  # [T, D] the block's input
 g, eps = block.input_layernorm.weight, block.input_layernorm.eps  # [D], 1e-6
-normed = my_rms_norm(x, g, eps)  # [T, D]
-print(f"max |yours - input_layernorm(x)| = {gap(normed, block.input_layernorm(x)):.1e}")
+normed = mine.my_rms_norm(x, g, eps)  # [T, D]
+print(f"max |my_rms_norm(x) - input_layernorm(x)| = {gap(normed, block.input_layernorm(x)):.1e}")
 print(f"rms of the rows: before {rms(x).min():.2f} .. {rms(x).max():.2f}; "
       f"after, without g: {rms(normed / g).min():.4f} .. {rms(normed / g).max():.4f}")
 
@@ -130,13 +140,15 @@ print(f"rms of the rows: before {rms(x).min():.2f} .. {rms(x).max():.2f}; "
 # ## Attention, then the first residual
 #
 # Attention ([03](03_mla.ipynb)) reads the normalised copy; its output is *added* to the stream. It needs the
-# rotation angles of each position ([02](02_yarn.ipynb)). Here k2lab's own attention module stands in for the MLA
-# you wrote in 03 (notebooks do not share their variables; [09](09_full_model.ipynb) shows where to paste yours):
+# rotation angles of each position ([02](02_yarn.ipynb)). The MLA is the one of your module, `my_mla` from 03 (yours
+# if it passed its check, else k2lab's reference), given the block's attention weights:
 
 # %%
+mine = lab.mine.load("my_mla")
 inputs = prepare_inputs(model, ids)  # what every block of this forward shares: positions, rotary cos and sin
 cos, sin = inputs.cos, inputs.sin  # [T, R] each (no pads: one row of positions for the batch)
-attn_out = block.self_attn(normed[None], cos, sin)[0]  # [T, D]
+attn_weights = {name: t.detach() for name, t in block.self_attn.state_dict().items()}
+attn_out = mine.my_mla(attn_weights, model.config, normed[None], cos, sin)[0]  # [T, D]
 resid_mid = x + attn_out  # [T, D]
 print(f"max |attention - hook_attn_out| = {gap(attn_out, cache['layers.1.hook_attn_out'][0]):.1e}")
 print(f"max |x + attention - hook_resid_mid| = {gap(resid_mid, cache['layers.1.hook_resid_mid'][0]):.1e}")
@@ -156,16 +168,23 @@ print(f"max |x + attention - hook_resid_mid| = {gap(resid_mid, cache['layers.1.h
 # ### Exercise 2 ★ · Write it yourself: SwiGLU
 #
 # The matrices are stored as `nn.Linear` stores them, [out, in]: `gate` and `up` are [I, D], `down` is [D, I].
+# Running the cell checks it (`exercises.check_swiglu`) and keeps it in your module.
 
 # %%
+@lab.mine
 def my_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """x [N, D], gate [I, D], up [I, D], down [D, I] -> [N, D]"""
     raise NotImplementedError
 
-
-print(exercises.check_swiglu(my_swiglu))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Two projections of the same input to the hidden width: one goes through SiLU and gates the other, feature by
+# feature (a product, not a sum); the gated features are projected back to D.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # A matrix stored [out, in] applies as `x @ W.T`. SiLU is `F.silu`, and it goes on the gate's projection only; the
 # up projection multiplies the result feature by feature before `down`.
 
@@ -173,52 +192,42 @@ print(exercises.check_swiglu(my_swiglu))
 # SiLU on the gate projection only, times the up projection, then down:
 
 # %% tags=["solution"]
-def my_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+# Solution (click to show)
+def solution_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
-print(exercises.check_swiglu(my_swiglu))
+print(exercises.check_swiglu(solution_swiglu))
 
 # %% [markdown]
-# Yours on the dense block 0, against its recorded output:
+# `my_swiglu` from your module on the dense block 0, against its recorded output:
 
 # %%
+mine = lab.mine.load("my_swiglu")
 dense = model.layers[0]
 h0 = dense.post_attention_layernorm(cache["layers.0.hook_resid_mid"][0])  # [T, D]
 mlp = dense.mlp
-dense_out = my_swiglu(h0, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)  # [T, D]
+dense_out = mine.my_swiglu(h0, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)  # [T, D]
 print(f"[T, D] {list(h0.shape)} -> [T, I] via {list(mlp.gate_proj.weight.shape)} -> [T, D] {list(dense_out.shape)}")
-print(f"max |your SwiGLU - hook_mlp_out of block 0| = {gap(dense_out, cache['layers.0.hook_mlp_out'][0]):.1e}")
+print(f"max |my_swiglu - hook_mlp_out of block 0| = {gap(dense_out, cache['layers.0.hook_mlp_out'][0]):.1e}")
 
 # %% [markdown]
 # ## The MoE block: router, routed experts, shared expert, combine
 #
 # From block 1 on, the feed-forward is a mixture of experts. Its input is the second norm's copy of the stream, and
-# the router of [04a](04a_router.ipynb) picks each token's k experts. The cell below defines `my_router` with 04a's
-# signature: paste your own from 04a over it; until then k2lab's `Router`, loaded with the weights it is given,
-# stands in.
+# the router of [04a](04a_router.ipynb) picks each token's k experts: `my_router` from your module (yours if it passed
+# its check in 04a, else k2lab's `Router` with the weights it is given; the first lines say which).
 
 # %%
-from k2lab.model.moe import Router
-
-
-def my_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
-    """04a's exercise: x [N, D] -> (idx [N, k], weights [N, k]). A stand-in: k2lab's Router with these weights."""
-    cfg = model.config.replace(num_experts_per_tok=top_k, routed_scaling_factor=scaling)
-    router = Router(cfg).to(x.device)
-    router.load_state_dict({"weight": weight, "e_score_correction_bias": bias})
-    idx, w = router(x[None])
-    return idx[0], w[0]
-
-
-h = my_rms_norm(resid_mid, block.post_attention_layernorm.weight, eps)  # [T, D] the MoE's input
+mine = lab.mine.load("my_router")
+h = mine.my_rms_norm(resid_mid, block.post_attention_layernorm.weight, eps)  # [T, D] the MoE's input
 gate = block.mlp.gate
-idx, w = my_router(h, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.scaling)  # [T, k] each
+idx, w = mine.my_router(h, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.scaling)  # [T, k] each
 print("same experts as hook_topk_idx:", torch.equal(idx, cache["layers.1.mlp.gate.hook_topk_idx"][0]))
 print(f"max |weights - hook_topk_weights| = {gap(w, cache['layers.1.mlp.gate.hook_topk_weights'][0]):.1e}")
 
 # %% [markdown]
-# Each routed expert is a small SwiGLU of its own (your `my_swiglu` again). Every token runs its k chosen experts,
+# Each routed expert is a small SwiGLU of its own (`my_swiglu` again). Every token runs its k chosen experts,
 # one per *slot*:
 
 # %%
@@ -227,7 +236,7 @@ expert_out = h.new_zeros(T, gate.top_k, h.shape[-1])  # [T, k, D]
 for t in range(T):
     for j, e in enumerate(idx[t].tolist()):
         w_gate, w_up, w_down = experts.expert_weights(e)  # [I, D], [I, D], [D, I]
-        expert_out[t, j] = my_swiglu(h[t:t + 1], w_gate, w_up, w_down)[0]
+        expert_out[t, j] = mine.my_swiglu(h[t:t + 1], w_gate, w_up, w_down)[0]
 print(f"max |experts - hook_expert_out| = {gap(expert_out, cache['layers.1.mlp.hook_expert_out'][0]):.1e}")
 
 # %% [markdown]
@@ -241,17 +250,23 @@ print(f"max |experts - hook_expert_out| = {gap(expert_out, cache['layers.1.mlp.h
 # ### Exercise 3 ★ · Write it yourself: the MoE combine
 #
 # `shared` [N, D] is the shared expert's output, `expert_out` [N, k, D] the chosen experts' outputs slot by slot,
-# `weights` [N, k] the router's weights.
+# `weights` [N, k] the router's weights. Running the cell checks it (`exercises.check_moe_combine`) and keeps it.
 
 # %%
+@lab.mine
 def my_combine(shared: torch.Tensor, expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """shared [N, D], expert_out [N, k, D], weights [N, k] -> [N, D]"""
     raise NotImplementedError
 
-
-print(exercises.check_moe_combine(my_combine))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Each token's k slot outputs are weighted by its k router weights and summed; the shared expert's output is added
+# as it is, with no weight.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Give the weights a feature axis (`weights[..., None]`, [N, k, 1]) so that they multiply each slot's output,
 # then sum over the slot axis (1). The weights are used as they are: they already sum to 2.827.
 
@@ -259,30 +274,35 @@ print(exercises.check_moe_combine(my_combine))
 # One weighted sum over the slot axis, plus the shared output:
 
 # %% tags=["solution"]
-def my_combine(shared: torch.Tensor, expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+# Solution (click to show)
+def solution_combine(shared: torch.Tensor, expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return shared + (weights[..., None] * expert_out).sum(1)
 
 
-print(exercises.check_moe_combine(my_combine))
+print(exercises.check_moe_combine(solution_combine))
 
 # %% [markdown]
-# The whole MoE feed-forward from your pieces, as one function of the block's second-norm output, and block 1's
-# feed-forward through it:
+# The whole MoE feed-forward from the pieces of your module, as one function of the block's second-norm output, and
+# block 1's feed-forward through it:
 
 # %%
-def my_moe(h: torch.Tensor, moe) -> torch.Tensor:
+mine = lab.mine.load("my_router", "my_swiglu", "my_combine")
+
+
+def moe_from_pieces(h: torch.Tensor, moe) -> torch.Tensor:
     """h [N, D] -> [N, D]: the router, the chosen experts and the shared expert of one MoE module, combined."""
-    idx, w = my_router(h, moe.gate.weight, moe.gate.e_score_correction_bias, moe.gate.top_k, moe.gate.scaling)
+    idx, w = mine.my_router(h, moe.gate.weight, moe.gate.e_score_correction_bias, moe.gate.top_k, moe.gate.scaling)
     out = h.new_zeros(*idx.shape, h.shape[-1])  # [N, k, D]
     for e in idx.unique().tolist():  # each expert once, on the tokens that chose it
         rows, slots = torch.where(idx == e)
-        out[rows, slots] = my_swiglu(h[rows], *moe.experts.expert_weights(e))
+        out[rows, slots] = mine.my_swiglu(h[rows], *moe.experts.expert_weights(e))
     shared = moe.shared_experts
-    return my_combine(my_swiglu(h, shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight), out, w)
+    shared_out = mine.my_swiglu(h, shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+    return mine.my_combine(shared_out, out, w)
 
 
-mlp_out = my_moe(h, block.mlp)  # [T, D]
-print(f"max |your MoE - hook_mlp_out of block 1| = {gap(mlp_out, cache['layers.1.hook_mlp_out'][0]):.1e}")
+mlp_out = moe_from_pieces(h, block.mlp)  # [T, D]
+print(f"max |MoE from the pieces - hook_mlp_out of block 1| = {gap(mlp_out, cache['layers.1.hook_mlp_out'][0]):.1e}")
 
 # %% [markdown]
 # ## The block
@@ -292,18 +312,24 @@ print(f"max |your MoE - hook_mlp_out of block 1| = {gap(mlp_out, cache['layers.1
 #
 # ### Exercise 4 ★★ · Write it yourself: the pre-norm block
 #
-# `input_norm`, `attn`, `post_norm` and `ffn` are functions [N, D] -> [N, D] (the check passes plain functions, so
-# it needs no positions). Write one block.
+# `input_norm`, `attn`, `post_norm` and `ffn` are functions [N, D] -> [N, D] (the check, `exercises.check_block`,
+# passes plain functions, so it needs no positions). Write one block.
 
 # %%
+@lab.mine
 def my_block(x, input_norm, attn, post_norm, ffn) -> torch.Tensor:
     """x [N, D]; each of input_norm, attn, post_norm, ffn maps [N, D] -> [N, D]"""
     raise NotImplementedError
 
-
-print(exercises.check_block(my_block))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Pre-norm: each sublayer reads a normalised copy of the stream and adds its output to the stream itself. The
+# feed-forward comes second, so it reads the stream with attention's output already in it.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Two lines, each of the form `x = x + sublayer(norm(x))`. The feed-forward reads the stream *after* attention has
 # been added, through its own norm; nothing ever normalises `x` itself.
 
@@ -311,38 +337,44 @@ print(exercises.check_block(my_block))
 # Each sublayer adds its output to the stream it read from:
 
 # %% tags=["solution"]
-def my_block(x, input_norm, attn, post_norm, ffn) -> torch.Tensor:
+# Solution (click to show)
+def solution_block(x, input_norm, attn, post_norm, ffn) -> torch.Tensor:
     x = x + attn(input_norm(x))
     return x + ffn(post_norm(x))
 
 
-print(exercises.check_block(my_block))
+print(exercises.check_block(solution_block))
 
 # %% [markdown]
-# Block 1 of K2-nano, all from your pieces except attention (k2lab's, as above), and block 0 with your SwiGLU:
+# Blocks 0 and 1 of K2-nano, every part from your module: the block, the norms, your MLA of 03, the SwiGLU of the
+# dense block, the MoE above (each yours where it passed its check, else the reference; the first lines say which):
 
 # %%
-def as_norm(norm):  # a block's RMSNorm module as your function
-    return lambda t: my_rms_norm(t, norm.weight, norm.eps)
+mine = lab.mine.load("my_block", "my_rms_norm", "my_mla")
 
 
-def as_attention(attn):  # the attention module, fed the rotations of positions 0..T-1
-    return lambda t: attn(t[None], cos, sin)[0]
+def as_norm(norm):  # a block's RMSNorm module as my_rms_norm with its weight
+    return lambda t: mine.my_rms_norm(t, norm.weight, norm.eps)
 
 
-dense_ffn = lambda t: my_swiglu(t, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)  # noqa: E731
+def as_attention(attn):  # my_mla with the block's attention weights, at positions 0..T-1
+    weights = {name: t.detach() for name, t in attn.state_dict().items()}
+    return lambda t: mine.my_mla(weights, model.config, t[None], cos, sin)[0]
+
+
+dense_ffn = lambda t: mine.my_swiglu(t, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)  # noqa: E731
 x0 = cache["layers.0.hook_resid_pre"][0]  # [T, D] the embeddings
-mine0 = my_block(x0, as_norm(dense.input_layernorm), as_attention(dense.self_attn),
-                 as_norm(dense.post_attention_layernorm), dense_ffn)
-mine1 = my_block(mine0, as_norm(block.input_layernorm), as_attention(block.self_attn),
-                 as_norm(block.post_attention_layernorm), lambda t: my_moe(t, block.mlp))
+built0 = mine.my_block(x0, as_norm(dense.input_layernorm), as_attention(dense.self_attn),
+                       as_norm(dense.post_attention_layernorm), dense_ffn)
+built1 = mine.my_block(built0, as_norm(block.input_layernorm), as_attention(block.self_attn),
+                       as_norm(block.post_attention_layernorm), lambda t: moe_from_pieces(t, block.mlp))
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for name, (mine, theirs) in {"block 0": (mine0, cache["layers.0.hook_resid_post"][0]),
-                             "block 1": (mine1, cache["layers.1.hook_resid_post"][0])}.items():
-    print(f"{name} from your pieces agrees with hook_resid_post to float32 rounding: "
-          f"{torch.allclose(mine, theirs, atol=1e-4)}")
+for name, (built, theirs) in {"block 0": (built0, cache["layers.0.hook_resid_post"][0]),
+                              "block 1": (built1, cache["layers.1.hook_resid_post"][0])}.items():
+    print(f"{name} from the pieces of your module agrees with hook_resid_post to float32 rounding: "
+          f"{torch.allclose(built, theirs, atol=1e-4)}")
 
 # %% [markdown]
 # ## Pre-norm: the stream grows, each sublayer reads a normalised copy
@@ -356,6 +388,23 @@ for i in range(len(model.layers)):
     attn_w, mlp_w = cache[f"layers.{i}.hook_attn_out"][0, -1], cache[f"layers.{i}.hook_mlp_out"][0, -1]
     print(f"block {i}: rms of the input {rms(stream).item():6.2f}; adds attention {rms(attn_w).item():5.2f}, "
           f"feed-forward {rms(mlp_w).item():5.2f}")
+
+# %% [markdown]
+# Every position of the prompt at once: the stream's rms at each block boundary (the median over the positions, the
+# band their 10th to 90th percentile), and what each sublayer adds, drawn between the two boundaries of its block.
+# The stream grows at every boundary (the medians are printed above the figure), while what a sublayer adds stays in
+# a band the stream outgrows: a late block changes the stream's direction less than an early one can.
+
+# %% tags=["nbval-ignore-output"]
+from k2lab import viz
+
+L = len(model.layers)
+stream_rms = torch.stack([rms(cache[f"layers.{i}.hook_resid_pre"][0]) for i in range(L)]
+                         + [rms(cache[f"layers.{L - 1}.hook_resid_post"][0])])  # [L + 1, T]
+added = {"attention": torch.stack([rms(cache[f"layers.{i}.hook_attn_out"][0]) for i in range(L)]),  # [L, T]
+         "feed-forward": torch.stack([rms(cache[f"layers.{i}.hook_mlp_out"][0]) for i in range(L)])}
+print(f"median rms of the stream: {', '.join(f'{m:.2f}' for m in stream_rms.median(-1).values.tolist())}")
+viz.residual_norm_figure(stream_rms, added, title="K2-nano: the residual stream's rms, block by block (running prompt)")
 
 # %% [markdown]
 # A post-norm block would normalise the stream itself after each addition. Pre-norm keeps an unnormalised path from
@@ -376,8 +425,16 @@ for i in range(len(model.layers)):
 # your code here: compare rms(cache[f"layers.{i}.mlp.hook_shared_out"][0, -1]) and the routed one
 
 # %% [markdown] tags=["hint"]
-# The routed weights sum to 2.827, and each chosen expert was chosen because its affinity for this token is high.
-# Loop over the layers that have a `hook_shared_out` in the cache and print both rms values side by side.
+# **Hint 1 · the idea**
+#
+# Two things set each part's size: its weights in the sum (the shared expert has none; the routed ones sum to
+# routed_scaling_factor) and how strongly the chosen experts respond.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# Loop over the layers that have a `hook_shared_out` in the cache and print both rms values side by side:
+# `rms(cache[f"layers.{i}.mlp.hook_shared_out"][0, -1])` and the same of `hook_routed_out`.
 
 # %% [markdown] tags=["solution"]
 # In K2-nano the routed experts write more than the shared one in every MoE layer at this token, between 2.5 and
@@ -385,10 +442,12 @@ for i in range(len(model.layers)):
 # strongly to this token.
 
 # %% tags=["solution"]
-for i in [i for i in range(len(model.layers)) if f"layers.{i}.mlp.hook_shared_out" in cache]:
-    shared_rms = rms(cache[f"layers.{i}.mlp.hook_shared_out"][0, -1]).item()
-    routed_rms = rms(cache[f"layers.{i}.mlp.hook_routed_out"][0, -1]).item()
-    print(f"layer {i}: shared {shared_rms:5.2f}, routed {routed_rms:5.2f} ({routed_rms / shared_rms:.1f}x)")
+# Solution (click to show)
+with lab.folded():
+    for i in [i for i in range(len(model.layers)) if f"layers.{i}.mlp.hook_shared_out" in cache]:
+        shared_rms = rms(cache[f"layers.{i}.mlp.hook_shared_out"][0, -1]).item()
+        routed_rms = rms(cache[f"layers.{i}.mlp.hook_routed_out"][0, -1]).item()
+        print(f"layer {i}: shared {shared_rms:5.2f}, routed {routed_rms:5.2f} ({routed_rms / shared_rms:.1f}x)")
 
 # %% [markdown]
 # ### Exercise 6 ★★ · Change a knob: remove the shared expert, or the routed ones
@@ -404,6 +463,14 @@ print("the model's top next token:", repr(top(logits)))
 # with model.hooks(fwd_hooks=[(lambda name: name.endswith("hook_shared_out"), lambda t, hook: t * 0)]): ...
 
 # %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Removing a part and reading the top token and its probability answers which part mattered; the rms of what each part
+# writes only says how large it is.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Run `model(ids)` inside each `with model.hooks(...)` block and compare `top(out)` and the probability of the top
 # token, `out[0, -1].softmax(-1).max()`, with the unchanged model's.
 
@@ -414,8 +481,10 @@ print("the model's top next token:", repr(top(logits)))
 # layers mostly ignore. (The values are K2-nano's, printed by the cell.)
 
 # %% tags=["solution"]
-for part in ("hook_shared_out", "hook_routed_out"):
-    with model.hooks(fwd_hooks=[(lambda name: name.endswith(part), lambda t, hook: t * 0)]):  # every MoE layer
-        out = model(ids)
-    print(f"without {part.removeprefix('hook_').removesuffix('_out')}: top next token {top(out)!r}, "
-          f"p = {out[0, -1].softmax(-1).max().item():.2f} (with both: p = {logits[0, -1].softmax(-1).max():.2f})")
+# Solution (click to show)
+with lab.folded():
+    for part in ("hook_shared_out", "hook_routed_out"):
+        with model.hooks(fwd_hooks=[(lambda name: name.endswith(part), lambda t, hook: t * 0)]):  # every MoE layer
+            out = model(ids)
+        print(f"without {part.removeprefix('hook_').removesuffix('_out')}: top next token {top(out)!r}, "
+              f"p = {out[0, -1].softmax(-1).max().item():.2f} (with both: p = {logits[0, -1].softmax(-1).max():.2f})")

@@ -74,22 +74,28 @@ print({name: list(batch.shape) for name, batch in batches.items()},
 #
 # ### Exercise 1 ★ · Write it yourself: MaxVio
 #
-# From expert counts [L, E], one value per layer: the busiest expert's load over the mean load, minus 1. The check
-# feeds it loads whose mean and maximum make the usual slips differ (a forgotten − 1, a percentage, the total
+# From expert counts [L, E], one value per layer: the busiest expert's load over the mean load, minus 1. Running the
+# cell checks it and keeps it in your module: `exercises.check_max_violation` feeds it loads whose mean and maximum make the usual slips differ (a forgotten − 1, a percentage, the total
 # instead of the mean, a spread such as (max − min) / mean, the wrong axis).
 
 # %%
 from k2lab.lab import exercises
 
 
+@lab.mine
 def my_max_violation(counts: torch.Tensor) -> torch.Tensor:
     """counts [L, E] (integers) -> MaxVio [L]"""
     raise NotImplementedError
 
-
-print(exercises.check_max_violation(my_max_violation))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# One number per layer, over its experts: how many times its fair share the busiest expert got, minus one so that an
+# even load gives 0.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Reduce over the last axis (the experts): `counts.amax(-1)` and `counts.mean(-1)`. The counts are integers, and
 # `mean` refuses integer tensors: convert them to floating point first.
 
@@ -97,21 +103,24 @@ print(exercises.check_max_violation(my_max_violation))
 # Work in floating point (the mean of integers is not an integer) and reduce over the experts:
 
 # %% tags=["solution"]
-def my_max_violation(counts: torch.Tensor) -> torch.Tensor:
+# Solution (click to show)
+def solution_max_violation(counts: torch.Tensor) -> torch.Tensor:
     c = counts.double()
     return c.amax(-1) / c.mean(-1) - 1
 
 
-print(exercises.check_max_violation(my_max_violation))
+print(exercises.check_max_violation(solution_max_violation))
 
 # %% [markdown]
-# Your MaxVio on the held-out counts (code and prose together, 4,096 tokens), beside the extremes of each layer.
+# `my_max_violation` from your module (yours if it passed its check, else `routing.max_violation`; the first lines
+# say which) on the held-out counts (code and prose together, 4,096 tokens), beside the extremes of each layer.
 # The heatmap then shows every expert's load against the uniform share (blue: under-used, red: over-used, on a
 # colour range fitted to the data; grey: idle, no tokens at all), with MaxVio in the bars beside it.
 
 # %%
+mine = lab.mine.load("my_max_violation")
 counts = routing.expert_counts(traces["code"]) + routing.expert_counts(traces["prose"])  # [L_moe, E]
-max_vio = my_max_violation(counts)  # [L_moe]
+max_vio = mine.my_max_violation(counts)  # [L_moe]
 for layer, vio, c in zip(layers, max_vio.tolist(), counts.tolist(), strict=True):
     print(f"layer {layer}: MaxVio {vio:.2f}  (busiest expert {max(c)} tokens, idlest {min(c)}, "
           f"mean {sum(c) / E:.0f})")
@@ -254,14 +263,25 @@ viz.entropy_figure(entropies, maxima, layers, title="Router entropy per token on
 # your code here
 
 # %% [markdown] tags=["hint"]
-# MaxVio = max / mean − 1. When all N tokens go to one of E experts, the maximum is N and the mean is N / E.
+# **Hint 1 · the idea**
+#
+# Balanced means every expert at the mean. At the other extreme, how many times the mean is the one busy expert's
+# load?
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# `routing.max_violation(torch.tensor([[10, 10, 10, 10], [40, 0, 0, 0]]))`; for the general case, all N tokens on
+# one of E experts: the maximum is N and the mean is N / E.
 
 # %% [markdown] tags=["solution"]
 # 0 when balanced; with everything on one of E experts, max / mean = E, so MaxVio = E − 1 (3 for four experts, 383
 # for K2's 384). So MaxVio is not bounded by 1: a value of 1.5 means the busiest expert has 2.5 times its share.
 
 # %% tags=["solution"]
-print(routing.max_violation(torch.tensor([[10, 10, 10, 10], [40, 0, 0, 0]])).tolist())
+# Solution (click to show)
+with lab.folded():
+    print(routing.max_violation(torch.tensor([[10, 10, 10, 10], [40, 0, 0, 0]])).tolist())
 
 # %% [markdown]
 # ### Exercise 3 ★★ · Change a knob: the first choice alone
@@ -273,6 +293,14 @@ print(routing.max_violation(torch.tensor([[10, 10, 10, 10], [40, 0, 0, 0]])).tol
 # your code here
 
 # %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# The balancing rule counts a token for each of its k experts, whichever slot the expert fills. Does anything in it
+# look at the first slot alone?
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Sum `routing.expert_counts(t, top=1)` over the two traces and compare its MaxVio with that of `counts`. For the
 # why: the rule ([10](10_training.ipynb)) moves expert e's bias by the sign of mean(c) − c_e, and c_e counts a
 # token whichever of its k slots e fills.
@@ -286,10 +314,12 @@ print(routing.max_violation(torch.tensor([[10, 10, 10, 10], [40, 0, 0, 0]])).tol
 # printed values are K2-nano's answer).
 
 # %% tags=["solution"]
+# Solution (click to show)
 first = sum(routing.expert_counts(t, top=1) for t in traces.values())
-print("all k choices:", [round(v, 2) for v in routing.max_violation(counts).tolist()])
-print("first choice: ", [round(v, 2) for v in routing.max_violation(first).tolist()])
-for name, t in traces.items():  # share of tokens whose first choice differs from the one without the bias
-    moved = (t.indices[..., 0] != t.unbiased_indices[..., 0]).float().flatten(1).mean(-1)  # [L_moe]
-    print(f"{name}: first choice changed by the bias", [f"{v:.0%}" for v in moved.tolist()],
-          "| chosen set changed", [f"{v:.0%}" for v in t.bias_flips.float().flatten(1).mean(-1).tolist()])
+with lab.folded():
+    print("all k choices:", [round(v, 2) for v in routing.max_violation(counts).tolist()])
+    print("first choice: ", [round(v, 2) for v in routing.max_violation(first).tolist()])
+    for name, t in traces.items():  # share of tokens whose first choice differs from the one without the bias
+        moved = (t.indices[..., 0] != t.unbiased_indices[..., 0]).float().flatten(1).mean(-1)  # [L_moe]
+        print(f"{name}: first choice changed by the bias", [f"{v:.0%}" for v in moved.tolist()],
+              "| chosen set changed", [f"{v:.0%}" for v in t.bias_flips.float().flatten(1).mean(-1).tolist()])

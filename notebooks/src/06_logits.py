@@ -81,22 +81,29 @@ for layer, p in enumerate(lens[:, -1, target].tolist()):
 # ### Exercise 1 ★★ · Write it yourself: one term's direct attribution
 #
 # Given a term c, the final residual x_L, the final norm's weight g, a head row u (or a difference of two rows) and
-# eps, return u · (g ⊙ c) / rms(x_L), with rms(x_L) = sqrt(mean(x_L²) + eps) as the final norm computes it. The
-# check's stream is small beside its eps, so that leaving eps out, or putting it outside the root, shows; it also
-# knows the term divided by its *own* rms.
+# eps, return u · (g ⊙ c) / rms(x_L), with rms(x_L) = sqrt(mean(x_L²) + eps) as the final norm computes it. Running
+# the cell checks it and keeps it in your module: `exercises.check_logit_attribution`'s stream is small beside its
+# eps, so that leaving eps out, or putting it outside the root, shows; it also knows the term divided by its *own*
+# rms.
 
 # %%
 from k2lab.lab import exercises
 
 
+@lab.mine
 def my_attribution(component, x_final, norm_weight, unembed_row, eps) -> float:
     """component, x_final, norm_weight, unembed_row: [D] -> the component's direct contribution (a float)"""
     raise NotImplementedError
 
-
-print(exercises.check_logit_attribution(my_attribution))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# The final norm divides the whole stream by one number, its rms, and the head is linear: so each term reaches the
+# logit divided by that same number, the whole stream's rms, never its own.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # The norm's scale is the same for every term: compute `rms = torch.sqrt(x_final.pow(2).mean() + eps)` from the
 # *whole* final residual, then `(unembed_row * norm_weight * component).sum() / rms`. Return a Python float.
 
@@ -104,12 +111,13 @@ print(exercises.check_logit_attribution(my_attribution))
 # Divide by the rms of the *whole* final residual, the same for every term, eps inside the root:
 
 # %% tags=["solution"]
-def my_attribution(component, x_final, norm_weight, unembed_row, eps) -> float:
+# Solution (click to show)
+def solution_attribution(component, x_final, norm_weight, unembed_row, eps) -> float:
     rms = torch.sqrt(x_final.pow(2).mean() + eps)
     return float((unembed_row * norm_weight * component).sum() / rms)
 
 
-print(exercises.check_logit_attribution(my_attribution))
+print(exercises.check_logit_attribution(solution_attribution))
 
 # %% [markdown]
 # One logit alone mixes two things: what makes this token likely, and what makes *every* token of its kind likely.
@@ -133,12 +141,15 @@ viz.attribution_figure(labels, values[:, 0], x_title=f"contribution to {target_n
                        title="Direct logit attribution by layer: attention, shared and routed experts")
 
 # %% [markdown]
-# Your function gives the embedding's term, the first of the sum, as k2lab's `logit_attribution` does:
+# `my_attribution` from your module (yours if it passed its check, else the reference; the first lines say which)
+# gives the embedding's term, the first of the sum, as k2lab's `logit_attribution` does:
 
 # %%
+mine = lab.mine.load("my_attribution")
 x_final = cache[f"layers.{len(model.layers) - 1}.hook_resid_post"][0, -1]  # [D] x_L at the last position
-embed = my_attribution(cache["embed_tokens.hook_out"][0, -1], x_final, model.norm.weight, direction, model.norm.eps)
-print(f"embedding: yours {embed:+.4f}, k2lab {values[labels.index('embed'), 0].item():+.4f}")
+embed = mine.my_attribution(cache["embed_tokens.hook_out"][0, -1], x_final, model.norm.weight, direction,
+                            model.norm.eps)
+print(f"embedding: my_attribution {embed:+.4f}, k2lab {values[labels.index('embed'), 0].item():+.4f}")
 
 # %% [markdown]
 # The largest terms:
@@ -255,6 +266,13 @@ print(prompt + tok.decode(fast[0, ids.shape[1]:]))
 # your code here
 
 # %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Read the figure's last column from the bottom up: in which row does ` r` first take the top place?
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # `lens` is [L, 16, V] probabilities for the last 16 positions; `lens[:, -1]` is the last position at every layer.
 # `tok.id_to_piece` turns each argmax into its token.
 
@@ -264,8 +282,10 @@ print(prompt + tok.decode(fast[0, ids.shape[1]:]))
 # until layer 5 adds its own.
 
 # %% tags=["solution"]
+# Solution (click to show)
 guesses = [tok.id_to_piece(i) for i in lens[:, -1].argmax(-1).tolist()]
-print("top guess at the last position, layer by layer:", guesses)
+with lab.folded():
+    print("top guess at the last position, layer by layer:", guesses)
 
 # %% [markdown]
 # ### Exercise 3 ★★ · Change a knob: another alternative
@@ -277,6 +297,14 @@ print("top guess at the last position, layer by layer:", guesses)
 # your code here
 
 # %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Only the direction u changes. A term that pushes ` r` itself keeps its sign whatever the rival; a term that pushes
+# against one particular rival may not.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Only the direction changes: `model.lm_head.weight[target] - model.lm_head.weight[space]` with
 # `space = tok.encode(" ")[0]`, passed to `cache.logit_attribution(..., pos=-1)`. Print the same terms (`order`)
 # against both alternatives side by side.
@@ -288,8 +316,10 @@ print("top guess at the last position, layer by layer:", guesses)
 # grows (−0.57 to −0.88), so what they push against depends more on the rival.
 
 # %% tags=["solution"]
+# Solution (click to show)
 space = tok.encode(" ")[0]
 against_space = cache.logit_attribution(model.lm_head.weight[target] - model.lm_head.weight[space], pos=-1)
 _, values_space = against_space.components(split_moe=True)
-for n in order[:6].tolist():
-    print(f"{labels[n]:<10} vs ' (' {values[n, 0].item():+.2f}   vs ' ' {values_space[n, 0].item():+.2f}")
+with lab.folded():
+    for n in order[:6].tolist():
+        print(f"{labels[n]:<10} vs ' (' {values[n, 0].item():+.2f}   vs ' ' {values_space[n, 0].item():+.2f}")

@@ -91,11 +91,8 @@ print(f"removing it changes that logit by {(out - logits)[0, -1, target].item():
 # removing a term also changes the final norm's scale, the rms of x_L that divides every term. And log p
 # saturates: with p = 0.72 the target already holds most of the probability, so lowering its logit lowers the
 # softmax's normaliser almost as much (d log p / d logit = 1 − p = 0.28); the other logits barely move. So the
-# favourite expert of the last layer helps, but the prediction does not hang on it. Rerouting the token's other
-# experts at this layer (below) *raises* log p in all three cases: for experts 3 and 30 by less than any removal
-# of expert 14 changed it (+0.019 and +0.009), but for expert 9 by +0.116, more than rerouting or zeroing expert
-# 14 lowered it (−0.059, −0.076); of the six ablations only `renormalize` on expert 14 (−0.153) moves log p
-# further. For those slots the next-best expert by choice score does more for ` r` than the expert it replaces.
+# favourite expert of the last layer helps, but the prediction does not hang on it. What of the token's other
+# experts at this layer? Reroute each in turn:
 
 # %%
 for e in chosen.tolist()[1:]:
@@ -110,6 +107,11 @@ viz.attribution_figure(list(results), torch.tensor(list(results.values())),
                        title=f"Ablating the last token's experts at layer {layer}")
 
 # %% [markdown]
+# Rerouting the token's other experts *raises* log p in all three cases: for experts 3 and 30 by less than any
+# removal of expert 14 changed it (+0.019 and +0.009), but for expert 9 by +0.116, more than rerouting or zeroing
+# expert 14 lowered it (−0.059, −0.076); of the six ablations only `renormalize` on expert 14 (−0.153) moves log p
+# further. For those slots the next-best expert by choice score does more for ` r` than the expert it replaces.
+#
 # ## Forcing a route
 #
 # `force_route` overrides the choice. Forcing a single expert the router disliked into one slot is close to a
@@ -240,20 +242,27 @@ viz.effect_heatmap(restored, [f"layer {i} resid_pre" for i in patched_layers],
 #
 # `patch` is a hook on a probe. Write its core: return the activation with the source's values at the given
 # positions (axis 1 of [B, T, D]), *without* changing the activation in place: another probe, or the cache, may hold
-# that very tensor. Then use your function through `model.hooks` to reproduce the heatmap's largest cell.
+# that very tensor. Running the cell checks it (`exercises.check_patch_hook`) and keeps it in your module; the cell
+# after the solution uses it through `model.hooks` to reproduce the heatmap's largest cell.
 
 # %%
 from k2lab.lab import exercises
 
 
+@lab.mine
 def my_patch(activation: torch.Tensor, source: torch.Tensor, positions: list[int]) -> torch.Tensor:
     """activation, source [B, T, D] -> [B, T, D] with source's values at ``positions``"""
     raise NotImplementedError
 
-
-print(exercises.check_patch_hook(my_patch))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Build the answer in a copy of the activation and return the copy: the activation itself (and the source) must
+# come out as they went in, since the cache or another probe may hold the same tensors.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # `out = activation.clone()`, then assign `source[:, positions]` to `out[:, positions]`. A hook is called as
 # `hook(activation, hook)` and its return value replaces the activation: wrap your function in a lambda that
 # passes `clean_cache[name]` and `[t]`.
@@ -263,18 +272,26 @@ print(exercises.check_patch_hook(my_patch))
 # clean run's activation and the position:
 
 # %% tags=["solution"]
-def my_patch(activation: torch.Tensor, source: torch.Tensor, positions: list[int]) -> torch.Tensor:
+# Solution (click to show)
+def solution_patch(activation: torch.Tensor, source: torch.Tensor, positions: list[int]) -> torch.Tensor:
     out = activation.clone()
     out[:, positions] = source[:, positions]
     return out
 
 
-print(exercises.check_patch_hook(my_patch))
+print(exercises.check_patch_hook(solution_patch))
+
+# %% [markdown]
+# `my_patch` from your module (yours if it passed its check, else the reference; the first lines say which) as a
+# hook, on the heatmap's largest cell:
+
+# %%
+mine = lab.mine.load("my_patch")
 row, t = divmod(best, T)
 name = f"layers.{patched_layers[row]}.hook_resid_pre"
-with model.hooks(fwd_hooks=[(name, lambda act, hook: my_patch(act, clean_cache[name], [t]))]):
-    mine = (ld(model(corrupt)) - ld_corrupt) / (ld_clean - ld_corrupt)
-print(f"{name}, position {t}: restored {mine:.2f} (heatmap: {restored.max().item():.2f})")
+with model.hooks(fwd_hooks=[(name, lambda act, hook: mine.my_patch(act, clean_cache[name], [t]))]):
+    by_hook = (ld(model(corrupt)) - ld_corrupt) / (ld_clean - ld_corrupt)
+print(f"{name}, position {t}: restored {by_hook:.2f} (heatmap: {restored.max().item():.2f})")
 
 # %% [markdown]
 # ## Prompts of different lengths: a padded batch
@@ -359,6 +376,14 @@ fig
 # your code here
 
 # %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Two heads that carry the same copy can each make up for the other; if one carries what the other left, removing both
+# should cost far more than either alone.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # `model.hooks(fwd_hooks=[(name_1, zero_head(0)), (name_2, zero_head(3))])` with the two `self_attn.hook_z` names;
 # `prob(model(ids))` inside the `with` block.
 
@@ -367,7 +392,9 @@ fig
 # most of what remained; the heatmap showed it as the second head that matters.
 
 # %% tags=["solution"]
-with model.hooks(fwd_hooks=[("layers.4.self_attn.hook_z", zero_head(0)), ("layers.5.self_attn.hook_z", zero_head(3))]):
+# Solution (click to show)
+both_zeroed = [("layers.4.self_attn.hook_z", zero_head(0)), ("layers.5.self_attn.hook_z", zero_head(3))]
+with lab.folded(), model.hooks(fwd_hooks=both_zeroed):
     print(f"without L4.h0 and L5.h3: p = {prob(model(ids)):.3f} (L4.h0 alone: {p_without[4, 0].item():.3f})")
 
 # %% [markdown]
@@ -381,6 +408,14 @@ with model.hooks(fwd_hooks=[("layers.4.self_attn.hook_z", zero_head(0)), ("layer
 # your code here
 
 # %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# A forced expert fills a slot, but its weight still comes from its own affinity s, renormalised with the other chosen
+# experts'.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # The least-liked expert is `tr.choice_scores[tr.row(layer), 0, -1].argmin()`. Its weight is its affinity divided
 # by the sum of the four chosen affinities, times 2.827 ([04a](04a_router.ipynb), step 5).
 
@@ -390,13 +425,15 @@ with model.hooks(fwd_hooks=[("layers.4.self_attn.hook_z", zero_head(0)), ("layer
 # into a slot does not force the model to use it: the router weighs it by its own affinity.
 
 # %% tags=["solution"]
+# Solution (click to show)
 least = int(tr.choice_scores[tr.row(layer), 0, -1].argmin())
 with force_route(model, {layer: [least]}, positions=[-1]):
     forced = routing.trace(model, ids)
     delta = log_prob(model(ids)) - log_prob(logits)
 j = forced.row(layer)
-print(f"forced expert {least} (s = {tr.scores[j, 0, -1, least].item():.3f}): chosen {forced.indices[j, 0, -1].tolist()}, "
-      f"weights {[round(w, 3) for w in forced.weights[j, 0, -1].tolist()]}; change in log p {delta:+.3f}")
+with lab.folded():
+    print(f"forced expert {least} (s = {tr.scores[j, 0, -1, least].item():.3f}): chosen {forced.indices[j, 0, -1].tolist()}, "
+          f"weights {[round(w, 3) for w in forced.weights[j, 0, -1].tolist()]}; change in log p {delta:+.3f}")
 
 # %% [markdown]
 # ### Exercise 4 ★★ · Predict, then run: where is the estimate exact?
@@ -410,7 +447,14 @@ print(f"forced expert {least} (s = {tr.scores[j, 0, -1, least].item():.3f}): cho
 # your code here
 
 # %% [markdown] tags=["hint"]
-# Ask where LD is a linear function of the patched activation. Record both probes on the clean run
+# **Hint 1 · the idea**
+#
+# Ask where LD is a linear function of the patched activation: the first-order estimate is then exact.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# Record both probes on the clean run
 # (`model.run_with_cache(clean, names=[...])`), run `attribution_patch(model, clean, corrupt, ld_tensor, names=[...])`,
 # and for each name the real patch's change in LD is `ld(model(corrupt)) - ld_corrupt` inside `patch(...)`.
 
@@ -421,11 +465,13 @@ print(f"forced expert {least} (s = {tr.scores[j, 0, -1, least].item():.3f}): cho
 # +8.62.
 
 # %% tags=["solution"]
+# Solution (click to show)
 final_names = ["norm.hook_out", f"layers.{L - 1}.hook_resid_post"]
 _, final_cache = model.run_with_cache(clean, names=final_names)
 final_estimates = attribution_patch(model, clean, corrupt, ld_tensor, names=final_names)
-for name in final_names:
-    with patch(model, final_cache, name, positions=[T - 1]):
-        real = ld(model(corrupt)) - ld_corrupt
-    print(f"{name:<24} last position: estimate {final_estimates[name][0, -1].item():+.4f}, "
-          f"real patch {real:+.4f} (change in LD)")
+with lab.folded():
+    for name in final_names:
+        with patch(model, final_cache, name, positions=[T - 1]):
+            real = ld(model(corrupt)) - ld_corrupt
+        print(f"{name:<24} last position: estimate {final_estimates[name][0, -1].item():+.4f}, "
+              f"real patch {real:+.4f} (change in LD)")

@@ -144,11 +144,13 @@ import plotly.graph_objects as go
 
 fig = go.Figure(go.Table(
     columnwidth=[2.2, 1, 1, 1, 1, 1],
-    header=dict(values=["model", "parameters", "active per token", "stored weights", "80 GB GPUs", "141 GB GPUs"]),
-    cells=dict(values=[[r[0] for r in rows], [f"{r[1]:,.1f} B" for r in rows], [f"{r[2]:.2f} B" for r in rows],
-                       [f"{r[3]:,.1f} GB" for r in rows], [r[4] for r in rows], [r[5] for r in rows]])))
-fig.update_layout(title="K2, K2-Thinking and Moonlight: parameters, bytes, GPUs (k2lab.plan)", height=300,
-                  margin=dict(l=20, r=20, t=50, b=10))
+    header=dict(values=["model", "parameters", "active per token", "stored weights", "80 GB GPUs", "141 GB GPUs"],
+                height=30),
+    cells=dict(height=26, values=[[r[0] for r in rows], [f"{r[1]:,.1f} B" for r in rows],
+                                  [f"{r[2]:.2f} B" for r in rows], [f"{r[3]:,.1f} GB" for r in rows],
+                                  [r[4] for r in rows], [r[5] for r in rows]])))
+fig.update_layout(title="K2, K2-Thinking and Moonlight: parameters, bytes, GPUs (k2lab.plan)",
+                  height=50 + 30 + 26 * len(rows) + 16, margin=dict(l=20, r=30, t=50, b=0))
 fig
 
 # %% [markdown]
@@ -247,9 +249,197 @@ per_matrix = sliced.moe_intermediate_size * sliced.hidden_size + 16 * 56 * 4  # 
 print("every miss read one expert (3 matrices + scales):",
       stats.bytes_read == stats.misses * 3 * per_matrix)
 
+# %% [markdown]
+# ## Load the release yourself
+#
+# `k2lab.load` read that folder for you. Now you read it: the same files, into your own model. The release keeps
+# every large matrix as e4m3 numbers, one byte each, with a float32 `weight_scale_inv` per 128 × 128 block beside it,
+# and every routed expert as three tensors of its own; your model (the `my_k2` of [09](09_full_model.ipynb), built
+# from your pieces) reads K2Model's state dict, which has no scales and stacks each layer's experts. A few of the
+# folder's tensors, as the files hold them:
+
+# %%
+from safetensors import safe_open
+
+stored = {}
+for shard in sorted(folder.glob("*.safetensors")):
+    with safe_open(shard, framework="pt") as f:
+        stored.update({name: (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape()) for name in f.keys()})
+for name in ("model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+             "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv",
+             "model.layers.0.mlp.experts.10.gate_proj.weight", "model.layers.0.mlp.experts.10.gate_proj.weight_scale_inv",
+             "model.layers.0.mlp.gate.e_score_correction_bias", "model.embed_tokens.weight"):
+    print(f"{name:<62} {stored[name][0]:<8} {stored[name][1]}")
+print(f"{len(stored)} tensors in all, {sum(n.endswith('_scale_inv') for n in stored)} of them scales")
+
+# %% [markdown]
+# kv_a_proj_with_mqa has 576 rows, 4.5 blocks of 128: its scale grid is ceil(576 / 128) × ceil(7,168 / 128) = 5 × 56,
+# and the last row of blocks is cut at the matrix's edge. (The name says *inverse*: DeepSeek's quantiser divided each
+# block by a scale to fit e4m3's range and stored its inverse, so reading the weight back is a multiplication.)
+#
+# ### Exercise 1 ★★ · Write it yourself: FP8 to numbers
+#
+# `my_dequantize(weight, scale_inv)`: the float32 matrix [A, B] from its e4m3 values [A, B] and its block scales
+# [ceil(A/128), ceil(B/128)]. Running the cell checks it (`exercises.check_dequantize`, on a matrix with cut edge
+# blocks and one of whole blocks, against k2lab's FP8 reader; it names the slips it knows: the scale divided, the
+# bytes read as integers, the grid tiled instead of spread over its blocks, no scale, bfloat16) and keeps it in your
+# module.
+
+# %%
+@lab.mine
+def my_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """weight [A, B] float8_e4m3fn, scale_inv [ceil(A/128), ceil(B/128)] float32 -> [A, B] float32"""
+    raise NotImplementedError
+
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Every stored value becomes a float, then is multiplied by the scale of the 128 × 128 block it sits in. Spread each
+# scale over its block, 128 rows and 128 columns, and cut what overhangs the matrix's edges.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# `weight.float()` decodes e4m3. `scale_inv.repeat_interleave(128, dim=0)[:A]` spreads the scales over the rows, and
+# the same with `dim=1` and `[:, :B]` over the columns; multiply.
+
+# %% [markdown] tags=["solution"]
+# Decode, spread the scales block by block, cut at the edges, multiply:
+
+# %% tags=["solution"]
+# Solution (click to show)
+def solution_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    A, B = weight.shape
+    scales = scale_inv.repeat_interleave(128, dim=0)[:A].repeat_interleave(128, dim=1)[:, :B]  # [A, B]
+    return weight.float() * scales
+
+
+print(exercises.check_dequantize(solution_dequantize))
+
+# %% [markdown]
+# ### Exercise 2 ★★ · Write it yourself: the release as your model's state dict
+#
+# `my_release_to_state_dict(tensors, cfg, dtype)`: from the release's tensors by name (as the files hold them), K2Model's
+# state dict in `dtype`: the names without `model.`, each FP8 matrix dequantised (use `mine.my_dequantize`, yours or
+# the reference) and its scale dropped, each MoE layer's experts stacked in expert order into
+# `layers.{i}.mlp.experts.gate_proj` [E, I, D], `up_proj` [E, I, D] and `down_proj` [E, D, I], and the router's
+# correction bias kept in float32 (its differences decide the choice). Running the cell checks it
+# (`exercises.check_release_state_dict`, against `k2lab.load` on a small K2 of 12 experts written in the release's
+# format, in float32 and bfloat16) and keeps it.
+
+# %%
+mine = lab.mine.load("my_dequantize")
+
+
+@lab.mine
+def my_release_to_state_dict(tensors: dict[str, torch.Tensor], cfg: K2Config,
+                             dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """the release's tensors (model.-prefixed, FP8 with scales, one per expert) -> K2Model's state dict in dtype"""
+    raise NotImplementedError
+
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Three kinds of tensor. A scale is not a weight: it is used by the matrix beside it and then dropped. A matrix with
+# a scale is dequantised; the others (embedding, head, norms, router) are only cast. An expert's three matrices join
+# their layer's stacks, in expert order: expert 10's name sorts before expert 2's as text, so do not stack in the
+# order the names come.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# One loop over the names that do not end in `_scale_inv` and are not experts' (`".mlp.experts." in name`): the new
+# name is `name.removeprefix("model.")`, the value `mine.my_dequantize(t, tensors[name + "_scale_inv"])` when that
+# scale exists, else `t`, then `.to(dtype)` (but `.float()` for a name ending in `e_score_correction_bias`). Then for
+# each MoE layer `i` (`cfg.is_moe_layer(i)`) and each projection, `torch.stack([... for e in
+# range(cfg.n_routed_experts)])` of the experts' dequantised matrices.
+
+# %% [markdown] tags=["solution"]
+# The scales with their matrices, the experts stacked by number:
+
+# %% tags=["solution"]
+# Solution (click to show)
+def solution_release_to_state_dict(tensors: dict[str, torch.Tensor], cfg: K2Config,
+                                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def value(name: str) -> torch.Tensor:
+        scale = tensors.get(name + "_scale_inv")
+        return (mine.my_dequantize(tensors[name], scale) if scale is not None else tensors[name]).to(dtype)
+
+    state = {}
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv") or ".mlp.experts." in name:
+            continue
+        state[name.removeprefix("model.")] = t.float() if name.endswith("e_score_correction_bias") else value(name)
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(i):
+            for proj in ("gate_proj", "up_proj", "down_proj"):  # [E, I, D], [E, I, D], [E, D, I]
+                state[f"layers.{i}.mlp.experts.{proj}"] = torch.stack(
+                    [value(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight") for e in range(cfg.n_routed_experts)])
+    return state
+
+
+print(exercises.check_release_state_dict(solution_release_to_state_dict))
+
+# %% [markdown]
+# ### Your model on the release
+#
+# The whole folder through your two functions, into your model: `my_k2` from your module (yours if you have done
+# [09](09_full_model.ipynb)'s exercise, else the reference assembly, which is built from your pieces of 02 to 04b
+# all the same; the first lines say which piece is whose). In bfloat16, as `k2lab.load` keeps an FP8 checkpoint on a
+# CPU, which also halves the 3.9 GB that float32 would take. Then the same against `k2lab.load` of the folder (the
+# streamed model above, in float32), tensor by tensor and logit by logit, and against HF transformers' DeepseekV3
+# holding your tensors, where it is installed.
+
+# %%
+from safetensors.torch import load_file
+
+mine = lab.mine.load("my_dequantize", "my_release_to_state_dict", "my_k2", "my_mla", "my_router", "my_rms_norm",
+                     "my_swiglu", "my_combine", "my_yarn")
+tensors = {}
+for shard in sorted(folder.glob("*.safetensors")):
+    tensors.update(load_file(shard))
+state = mine.my_release_to_state_dict(tensors, sliced, torch.bfloat16)
+del tensors  # the FP8 values: the state dict holds its own
+ours = mine.my_k2(state, sliced, ids)  # [1, 8, V]
+print(f"my_release_to_state_dict: {len(state)} tensors, {sum(t.numel() for t in state.values()) / 1e9:.2f} B "
+      f"numbers; my_k2's logits {list(ours.shape)}")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+resident = layer.state_dict()  # k2lab.load's, in float32; its routed experts stay in the files (streamed)
+same = {name: torch.equal(state[name], t.to(state[name].dtype)) for name, t in resident.items()}
+print(f"k2lab.load's resident tensors ({len(resident)}) are all in the state dict above: {set(resident) <= set(state)};"
+      f" equal to its tensors once rounded to bfloat16, bit for bit: {all(same.values())}")
+theirs = layer(ids)  # [1, 8, V] float32, the experts read from the files
+gap = (ours.float() - theirs).abs().max().item() / theirs.abs().max().item()
+print(f"logits: my_k2's and k2lab's agree within 3e-2 of the largest (bfloat16 keeps 8 bits): {gap < 3e-2}")
+del layer  # the streamed model's memory back
+
+# %%
+print(f"max |my_k2's - k2lab's| / max |k2lab's| = {gap:.0e}")
+
+# %%
+hf, note = lab.hf_deepseek_v3(sliced, state)
+if hf is None:
+    print(note)
+else:
+    with torch.no_grad():
+        hf_logits = hf(ids).logits
+    print(f"{note}: max |my_k2's - HF's| / max |HF's| = "
+          f"{(ours.float() - hf_logits.float()).abs().max().item() / hf_logits.abs().max().item():.0e}")
+    del hf
+
+# %% [markdown]
+# The loader of your module (yours, or the reference: the first lines of the cell above say which) and k2lab's read
+# the same numbers: both multiply each e4m3 value by its block's scale in float32, and the state dict is rounded once
+# to bfloat16. The logits differ by bfloat16's rounding (k2lab's model here computes in float32); HF's DeepseekV3, a
+# third implementation holding the same tensors, agrees to the same rounding. The real K2
+# is this folder with 61 layers and 384 experts per layer: the same two functions load it, given the memory.
+
 # %%
 import shutil
 
+del state
 shutil.rmtree(folder)  # 1 GB of random weights: not worth keeping
 
 # %% [markdown]
@@ -258,24 +448,28 @@ shutil.rmtree(folder)  # 1 GB of random weights: not worth keeping
 # The KV cache's bytes, which this notebook prints for K2 above, are [03](03_mla.ipynb)'s exercise
 # (`check_kv_cache_bytes`); here the parameters and the placement.
 #
-# ### Exercise 1 ★★ · Write it yourself: one MoE block's parameters
+# ### Exercise 3 ★★ · Write it yourself: one MoE block's parameters
 #
 # From a config alone, count one MoE block's parameters: its two RMSNorms, the MLA (with its latent norms), the
 # router (W_gate and its correction bias), every routed expert and the shared expert(s). The check tries K2,
 # Moonlight (no query latent, two shared experts: the config keys `q_lora_rank` and `n_shared_experts`) and K2-nano,
-# against `block_parameters`, and names the slips it recognises.
+# against `block_parameters`, and names the slips it recognises. Running the cell checks it and keeps it in your module.
 
 # %%
-
-
+@lab.mine
 def my_moe_block_parameters(cfg: K2Config) -> int:
     """parameters of one MoE block of ``cfg``"""
     raise NotImplementedError
 
-
-print(exercises.check_moe_block_parameters(my_moe_block_parameters))
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# List the block's tensors as the checkpoint stores them (two norms; the attention's projections and its latents'
+# norms; the router's matrix and bias; every expert's three matrices, routed and shared) and add up their sizes.
 
 # %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Name the widths first: D = `hidden_size`, H heads, N = `qk_nope_head_dim`, R = `qk_rope_head_dim`,
 # V = `v_head_dim`, C = `kv_lora_rank`, Q = `q_lora_rank`, E experts of I = `moe_intermediate_size`, S shared. MLA's
 # matrices: q_a_proj D × Q, q_b_proj Q × H(N + R) (or one q_proj D × H(N + R) when Q is None), kv_a_proj_with_mqa
@@ -286,7 +480,8 @@ print(exercises.check_moe_block_parameters(my_moe_block_parameters))
 # 101,124,096 of them, as counted above):
 
 # %% tags=["solution"]
-def my_moe_block_parameters(cfg: K2Config) -> int:
+# Solution (click to show)
+def solution_moe_block_parameters(cfg: K2Config) -> int:
     D, H, N, R, V = (cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                      cfg.v_head_dim)
     C, Q, E, I, S = (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size,
@@ -298,13 +493,13 @@ def my_moe_block_parameters(cfg: K2Config) -> int:
     return 2 * D + attention + router + experts
 
 
-print(exercises.check_moe_block_parameters(my_moe_block_parameters))
-print(f"K2: {my_moe_block_parameters(k2):,} parameters per MoE block, "
-      f"{k2.n_routed_experts * 3 * k2.hidden_size * k2.moe_intermediate_size / my_moe_block_parameters(k2):.1%} "
+print(exercises.check_moe_block_parameters(solution_moe_block_parameters))
+print(f"K2: {solution_moe_block_parameters(k2):,} parameters per MoE block, "
+      f"{k2.n_routed_experts * 3 * k2.hidden_size * k2.moe_intermediate_size / solution_moe_block_parameters(k2):.1%} "
       f"of them in the routed experts")
 
 # %% [markdown]
-# ### Exercise 2 ★ · Predict, then run: one expert's bytes
+# ### Exercise 4 ★ · Predict, then run: one expert's bytes
 #
 # How many bytes does ONE routed expert of K2 take in the release (three e4m3 matrices of 2,048 × 7,168, plus one
 # float32 scale per 128 × 128 block)? And all 384 of one layer? Predict, then compute.
@@ -313,6 +508,14 @@ print(f"K2: {my_moe_block_parameters(k2):,} parameters per MoE block, "
 # your code here
 
 # %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Count the values (one byte each) and the blocks (one float32 scale each) of one matrix, then three matrices per
+# expert and 384 experts per layer.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # One byte per e4m3 value. A 2,048 × 7,168 matrix has ceil(2,048 / 128) × ceil(7,168 / 128) = 16 × 56 blocks, each
 # with a 4-byte scale.
 
@@ -321,13 +524,15 @@ print(f"K2: {my_moe_block_parameters(k2):,} parameters per MoE block, "
 # are 16.9 GB, which is why the real-shape slice above keeps only 16 of them.
 
 # %% tags=["solution"]
+# Solution (click to show)
 values = 3 * k2.moe_intermediate_size * k2.hidden_size
 scales = 3 * math.ceil(k2.moe_intermediate_size / 128) * math.ceil(k2.hidden_size / 128) * 4
-print(f"one expert: {values:,} + {scales:,} bytes; one layer's {k2.n_routed_experts}: "
-      f"{k2.n_routed_experts * (values + scales) / 1e9:.1f} GB")
+with lab.folded():
+    print(f"one expert: {values:,} + {scales:,} bytes; one layer's {k2.n_routed_experts}: "
+          f"{k2.n_routed_experts * (values + scales) / 1e9:.1f} GB")
 
 # %% [markdown]
-# ### Exercise 3 ★★ · Change a knob: half the node
+# ### Exercise 5 ★★ · Change a knob: half the node
 #
 # Plan K2 on four 141 GB GPUs instead of eight (`k2lab.plan(k2, devices=[141 * 10**9] * 4)`). Predict first: does
 # it fit, and if not, by how much does each device miss?
@@ -336,6 +541,14 @@ print(f"one expert: {values:,} + {scales:,} bytes; one layer's {k2.n_routed_expe
 # your code here
 
 # %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Compare the weights' bytes with the room four devices leave after their headroom; then ask how whole blocks split
+# over four devices.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
 # Compare 1,029.2 GB of weights with 4 × (141 − 4.3) GB of room. With whole blocks, no device can take less than
 # 15 of the 60 MoE blocks.
 
@@ -345,4 +558,6 @@ print(f"one expert: {values:,} + {scales:,} bytes; one layer's {k2.n_routed_expe
 # the streamed experts of the next-to-last section.
 
 # %% tags=["solution"]
-print(k2lab.plan(k2, devices=[141 * 10**9] * 4))
+# Solution (click to show)
+with lab.folded():
+    print(k2lab.plan(k2, devices=[141 * 10**9] * 4))

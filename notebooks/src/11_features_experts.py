@@ -107,10 +107,10 @@ import time
 train_texts = [doc.text for doc in corpus.documents("train")]
 random.Random(0).shuffle(train_texts)  # the corpus comes in module order: mix it
 start = time.perf_counter()
-mine = dictionary.train_sae(model, "layers.3.hook_resid_post", train_texts, d_sae=256, k=16, tokens=200_000,
-                            batch_tokens=1024, lr=3e-3, buffer_tokens=65_536, progress=False)
+small_sae = dictionary.train_sae(model, "layers.3.hook_resid_post", train_texts, d_sae=256, k=16, tokens=200_000,
+                                 batch_tokens=1024, lr=3e-3, buffer_tokens=65_536, progress=False)
 print(f"trained in {time.perf_counter() - start:.0f} s")
-for name, d in (("mine", mine), ("shipped", sae)):
+for name, d in (("small", small_sae), ("shipped", sae)):
     print(f"{name:<8}", dictionary.evaluate(model, d.probe, d, heldout, max_tokens=8_000))
 
 # %% [markdown]
@@ -197,6 +197,46 @@ viz.expert_share_heatmap(pure.distribution[[i for i, *_ in purest]], labels,
                          title=f"Where the purest transcoder features' tokens go at layer {layer}")
 
 # %% [markdown]
+# ### Exercise 1 ★★ · Write it yourself: purity
+#
+# Given which tokens one feature is active on and the experts every token chose, return the share of the feature's
+# tokens that chose its most frequent expert. Running the cell checks it (`exercises.check_feature_purity`, against
+# `features.purity`; it names the slips it knows, such as dividing by every token, or by the k choices) and keeps it
+# in your module.
+
+# %%
+from k2lab.lab import exercises
+
+
+@lab.mine
+def my_purity(active: torch.Tensor, chosen: torch.Tensor) -> float:
+    """active [N] bool, chosen [N, E] bool (k True per row) -> the feature's purity"""
+    raise NotImplementedError
+
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Keep only the feature's tokens; count, for each expert, how many of them chose it; the largest count, over the
+# number of the feature's tokens, is the purity.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# `chosen[active]` is [n, E]; `.sum(0)` counts per expert; divide `.max()` by `active.sum()` and return a float.
+
+# %% [markdown] tags=["solution"]
+# Count the feature's tokens per expert, take the largest count, divide by the feature's tokens:
+
+# %% tags=["solution"]
+# Solution (click to show)
+def solution_purity(active: torch.Tensor, chosen: torch.Tensor) -> float:
+    per_expert = chosen[active].sum(0)  # [E] the feature's tokens that chose each expert
+    return (per_expert.max() / active.sum()).item()
+
+
+print(exercises.check_feature_purity(solution_purity))
+
+# %% [markdown]
 # ## How much do features and experts tell about each other, layer by layer?
 #
 # Purity looks at one expert per feature. The **mutual information** I(A; C) between "feature f is active" (A) and
@@ -229,6 +269,52 @@ viz.information_figure(info.layers, info.mean_share, info.mean_share_ci,
 # all of it. Only at layer 3, whose router reads the transcoder's own input, does a clear excess remain (0.24
 # against 0.20); the other layers keep 0.02 or less. So far: K2-nano's experts and features agree mostly because
 # both follow the token, and beyond the token the agreement is strongest at the layer that reads the features.
+#
+# ### Exercise 2 ★★ · Write it yourself: mutual information
+#
+# I(A; C) in bits for two yes/no variables over the same tokens: the sum over the four cells (a, c) of
+# p(a, c) log₂(p(a, c) / (p(a) p(c))). Mind the cells with no tokens. Running the cell checks it
+# (`exercises.check_mutual_information`, against `features.information`, on a case with an empty cell) and keeps it.
+
+# %%
+@lab.mine
+def my_mutual_information(a: torch.Tensor, c: torch.Tensor) -> float:
+    """a, c [N] bool -> I(A; C) in bits"""
+    raise NotImplementedError
+
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# Four cells: (active, chosen), (active, not chosen), (inactive, chosen), (inactive, not chosen). Each cell compares
+# how often it happens with how often it would if A and C were independent, p(a) p(c). A cell with no tokens adds
+# nothing (p log p → 0 as p → 0), so skip it rather than take the log of 0.
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# Two loops over `x in (True, False)` and `y in (True, False)`: `p_xy = ((a == x) & (c == y)).double().mean()`,
+# `p_x = (a == x).double().mean()`, `p_y` likewise; add `p_xy * math.log2(p_xy / (p_x * p_y))` when `p_xy > 0`.
+
+# %% [markdown] tags=["solution"]
+# Four cells, skipping the empty ones (p log p → 0):
+
+# %% tags=["solution"]
+# Solution (click to show)
+import math
+
+
+def solution_mutual_information(a: torch.Tensor, c: torch.Tensor) -> float:
+    total = 0.0
+    for x in (True, False):
+        for y in (True, False):
+            p_xy = ((a == x) & (c == y)).double().mean().item()
+            p_x, p_y = (a == x).double().mean().item(), (c == y).double().mean().item()
+            if p_xy > 0:
+                total += p_xy * math.log2(p_xy / (p_x * p_y))
+    return total
+
+
+print(exercises.check_mutual_information(solution_mutual_information))
 #
 # ## Which features an expert's output is made of
 #
@@ -424,51 +510,35 @@ for context in sae_trace.top_contexts(bracket, tok.decode, n=5):
 # trained on it with `dictionary.train_sae`) before believing any of it of K2.
 
 # %% [markdown]
-# ## Exercises
+# ## More exercises
 #
-# **1. Predict, then run: steering.** Add feature `bracket` at the corrupted prompt's last position, with strength
-# 2, 5 and 10 (a hook on the features probe that adds to it). At which strength does `]` beat `)`? Predict first.
+# ### Exercise 3 ★ · Predict, then run: steering
 #
-# **2. Change a knob: rare features.** Run `features.information` on the transcoder's features with `min_active=10`
-# and compare each layer's share with its bootstrap interval. What happened, and why does the default count only
-# features active on 50 tokens or more?
+# Add feature `bracket` at the corrupted prompt's last position, with strength 2, 5 and 10 (a hook on the features
+# probe that adds to it, inside the splice with the error kept). At which strength does `]` beat `)`, that is, does
+# LD turn positive? Predict first.
 
 # %%
 # your code here
 
-# %% [markdown]
-# **3. Write it yourself: purity.** Given which tokens one feature is active on and the experts every token chose,
-# return the share of the feature's tokens that chose its most frequent expert.
-
-# %%
-from k2lab.lab import exercises
-
-
-def my_purity(active: torch.Tensor, chosen: torch.Tensor) -> float:
-    """active [N] bool, chosen [N, E] bool (k True per row) -> the feature's purity"""
-    raise NotImplementedError
-
-
-print(exercises.check_feature_purity(my_purity))
-
-# %% [markdown]
-# **4. Write it yourself: mutual information.** I(A; C) in bits for two yes/no variables over the same tokens: the
-# sum over the four cells (a, c) of p(a, c) log₂(p(a, c) / (p(a) p(c))). Mind the cells with no tokens.
-
-# %%
-def my_mutual_information(a: torch.Tensor, c: torch.Tensor) -> float:
-    """a, c [N] bool -> I(A; C) in bits"""
-    raise NotImplementedError
-
-
-print(exercises.check_mutual_information(my_mutual_information))
-
-# %% [markdown]
-# ## Solutions
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
 #
-# **1.** The feature's direction, added where the prediction is made:
+# Patching this feature alone restored the share of LD printed above; adding it at a strength larger than its clean
+# activation pushes further along the same direction. How large is its clean activation at the last position?
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# A hook `def add(f, hook): f = f.clone(); f[:, -1, bracket] += strength; return f` on `feature_probe`, run as
+# `with interventions.splice(model, sae.probe, sae, keep_error=True), model.hooks(fwd_hooks=[(feature_probe, add)]):`
+# and `ld(model(corrupt))` inside.
+
+# %% [markdown] tags=["solution"]
+# The feature's direction, added where the prediction is made; the printed LDs answer at which strength `]` wins:
 
 # %% tags=["solution"]
+# Solution (click to show)
 def add_feature(strength: float):
     def hook(f: torch.Tensor, hook) -> torch.Tensor:
         f = f.clone()
@@ -477,53 +547,44 @@ def add_feature(strength: float):
     return hook
 
 
-with interventions.splice(model, sae.probe, sae, keep_error=True):
+with lab.folded(), interventions.splice(model, sae.probe, sae, keep_error=True):
     for strength in (2.0, 5.0, 10.0):
         with model.hooks(fwd_hooks=[(feature_probe, add_feature(strength))]):
             print(f"+{strength:>4}: LD {ld(model(corrupt)):+.2f} (corrupted {ld_corrupt:+.2f}, clean {ld_clean:+.2f})")
 
 # %% [markdown]
-# **2.** With rare features counted, the estimate falls below its own bootstrap interval: the plug-in information
-# of a feature seen ten times is biased upward, and a resample, which repeats texts, is biased more, so the
-# resamples no longer surround the estimate. Counting only features seen often keeps the bias small:
+# ### Exercise 4 ★★ · Change a knob: rare features
+#
+# Run `features.information` on the transcoder's features with `min_active=10` and compare each layer's share with
+# its bootstrap interval. What happened, and why does the default count only features active on 50 tokens or more?
+
+# %%
+# your code here
+
+# %% [markdown] tags=["hint"]
+# **Hint 1 · the idea**
+#
+# The plug-in estimate of information from few tokens is biased upward: a feature seen ten times looks tied to
+# whatever its ten tokens chose. A bootstrap resample repeats texts, which makes the feature's tokens look even more
+# alike. Where does that leave the estimate against its interval?
+
+# %% [markdown] tags=["hint"]
+# **Hint 2 · the code**
+#
+# `features.information(active, moe_trace.chosen(), moe_trace.sequences(), layers=moe_trace.routing.layers,
+# min_active=10, num_boot=100)`, then for each layer `mean_share[j]` against `mean_share_ci[:, j]`.
+
+# %% [markdown] tags=["solution"]
+# With rare features counted, the estimate falls below its own bootstrap interval: the plug-in information of a
+# feature seen ten times is biased upward, and a resample, which repeats texts, is biased more, so the resamples no
+# longer surround the estimate. Counting only features seen often keeps the bias small:
 
 # %% tags=["solution"]
+# Solution (click to show)
 rare = features.information(active, moe_trace.chosen(), moe_trace.sequences(), layers=moe_trace.routing.layers,
                             min_active=10, num_boot=100)
-for j, i in enumerate(rare.layers):
-    low, high = rare.mean_share_ci[:, j].tolist()
-    print(f"layer {i}: {rare.mean_share[j]:.3f}, interval [{low:.3f}, {high:.3f}], "
-          f"inside: {low <= rare.mean_share[j].item() <= high}")
-
-# %% [markdown]
-# **3.** Count the feature's tokens per expert, take the largest count, divide by the feature's tokens:
-
-# %% tags=["solution"]
-def my_purity(active: torch.Tensor, chosen: torch.Tensor) -> float:
-    per_expert = chosen[active].sum(0)  # [E] the feature's tokens that chose each expert
-    return (per_expert.max() / active.sum()).item()
-
-
-assert exercises.check_feature_purity(my_purity)
-print(exercises.check_feature_purity(my_purity))
-
-# %% [markdown]
-# **4.** Four cells, skipping the empty ones (p log p → 0):
-
-# %% tags=["solution"]
-import math
-
-
-def my_mutual_information(a: torch.Tensor, c: torch.Tensor) -> float:
-    total = 0.0
-    for x in (True, False):
-        for y in (True, False):
-            p_xy = ((a == x) & (c == y)).double().mean().item()
-            p_x, p_y = (a == x).double().mean().item(), (c == y).double().mean().item()
-            if p_xy > 0:
-                total += p_xy * math.log2(p_xy / (p_x * p_y))
-    return total
-
-
-assert exercises.check_mutual_information(my_mutual_information)
-print(exercises.check_mutual_information(my_mutual_information))
+with lab.folded():
+    for j, i in enumerate(rare.layers):
+        low, high = rare.mean_share_ci[:, j].tolist()
+        print(f"layer {i}: {rare.mean_share[j]:.3f}, interval [{low:.3f}, {high:.3f}], "
+              f"inside: {low <= rare.mean_share[j].item() <= high}")

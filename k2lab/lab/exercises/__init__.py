@@ -17,6 +17,16 @@ still runs from top to bottom; library warnings raised inside a check stay out o
 The construction track, each piece checked against k2lab and then used by the next, and the other exercises:
 
     check_greedy                00   greedy decoding
+    check_group_router          04a  DeepSeek-V3's group-limited choice of experts
+    check_dequantize            08   FP8 e4m3 with 128 x 128 block scales, as numbers
+    check_release_state_dict    08   the release's tensors as K2Model's state dict
+    check_cached_mla            09   MLA over your own latent cache, at a position offset
+    check_cached_generate       09   greedy generation through your cache, against k2lab.generate
+    check_next_token_loss       10   the next-token loss, pads ignored
+    check_adamw_step            10   AdamW's step
+    check_muon_step             10   Muon's step (momentum, Nesterov, RMS matching, decay)
+    check_train_step            10   K2's recipe as one step of your own model
+    compare_runs                10   your run beside k2lab's recipe_step
     check_bpe_training          01   learn BPE merges from a corpus (bytes, pre-tokens, most frequent pair)
     check_bpe                   01   encode with ranks (rank-BPE)
     check_rotation              02   the rotary rotation
@@ -50,8 +60,12 @@ from .analysis import (
 from .attention import check_absorbed_score, check_mla_forward
 from .blocks import check_block, check_moe_combine, check_rms_norm, check_router, check_swiglu
 from .checking import Verdict, Watch
+from .decode import check_cached_generate, check_cached_mla
 from .features import check_feature_purity, check_mutual_information
+from .groups import check_group_router
+from .loading import check_dequantize, check_release_state_dict
 from .model import check_greedy, check_model_from_weights, small_k2
+from .own_training import check_adamw_step, check_muon_step, check_next_token_loss, check_train_step, compare_runs
 from .position import DEEPSEEK_V3_ROPE, check_rotation, check_yarn_frequencies
 from .tokens import check_bpe, check_bpe_training, train_bpe
 from .training import check_bias_update, check_newton_schulz, check_qk_clip
@@ -63,4 +77,8 @@ __all__ = [
     "check_moe_block_parameters", "check_mutual_information", "check_newton_schulz", "check_patch_hook",
     "check_qk_clip", "check_rms_norm", "check_rotation", "check_router", "check_swiglu", "check_yarn_frequencies",
     "small_k2", "train_bpe",
+]
+__all__ += [
+    "check_adamw_step", "check_cached_generate", "check_cached_mla", "check_dequantize", "check_group_router",
+    "check_muon_step", "check_next_token_loss", "check_release_state_dict", "check_train_step", "compare_runs",
 ]
