@@ -127,6 +127,8 @@ class HookedModule(nn.Module):
     """Mixin for the root model: names every HookPoint by its path and attaches hooks by selector."""
 
     def name_hook_points(self) -> None:
+        """Name every HookPoint by its module path (``layers.3.mlp.gate.hook_topk_idx``) and index them by name; the
+        model calls it once its modules are built."""
         self._hook_points = {name: m for name, m in self.named_modules() if isinstance(m, HookPoint)}
         for name, point in self._hook_points.items():
             point.name = name
