@@ -59,9 +59,9 @@ class Reference:
 # What is public
 
 
-def load(repo: Path) -> griffe.Module:
-    """The package as griffe reads it from the source (nothing is imported)."""
-    return griffe.load("k2lab", search_paths=[str(repo)], resolve_aliases=True, resolve_external=False)
+def load(repo: Path, package: str = "k2lab") -> griffe.Module:
+    """The package as griffe reads it from the source in ``repo`` (nothing is imported)."""
+    return griffe.load(package, search_paths=[str(repo)], resolve_aliases=True, resolve_external=False)
 
 
 def public_modules(package: griffe.Module) -> list[griffe.Module]:
@@ -121,7 +121,7 @@ def _homes(entries: list[Entry]) -> None:
 
 
 def _missing(obj: griffe.Object, what: str) -> tuple[str, int, str]:
-    return str(obj.relative_filepath), obj.lineno or 0, f"the {what} {obj.path} has no docstring"
+    return str(obj.relative_package_filepath), obj.lineno or 1, f"the {what} {obj.path} has no docstring"
 
 
 def _undocumented_members(cls: griffe.Class) -> list[tuple[str, int, str]]:
@@ -242,9 +242,9 @@ def _class_page(entry: Entry) -> str:
                                                     show_root_full_path=True))
 
 
-def build(repo: Path) -> Reference:
+def build(repo: Path, package_name: str = "k2lab") -> Reference:
     """The API pages (``api/...``) of the package in ``repo``, their navigation and checks."""
-    package = load(repo)
+    package = load(repo, package_name)
     modules = public_modules(package)
     paths = {m.path for m in modules}
     by_module = {m.path: [_entry(m, name, paths) for name in public_names(m)] for m in modules}
@@ -253,12 +253,12 @@ def build(repo: Path) -> Reference:
     ref = Reference(undocumented=undocumented(modules, entries), modules=len(modules))
     children = {m.path: [c for c in modules if c.path.rpartition(".")[0] == m.path] for m in modules}
 
-    index = ["# API reference", "",
-             "Every public module of `k2lab` and every public name, from their docstrings (shapes as they give them: "
-             "`[B, T, D]` is batch, tokens, the residual width). A module's public names are its `__all__`, else the "
-             "names it defines without a leading underscore; each is documented once, where it is first made public "
-             "(`k2lab.K2Model`, not `k2lab.model.transformer.K2Model`), and linked from the other modules that "
-             "export it.", ""]
+    index = ["# API reference", "", " ".join([
+        f"Every public module of `{package_name}` and every public name, from their docstrings (shapes as they give",
+        "them: `[B, T, D]` is batch, tokens, the residual width). A module's public names are its `__all__`, else the",
+        "names it defines without a leading underscore; each is documented once, where it is first made public",
+        "(`k2lab.K2Model`, not `k2lab.model.transformer.K2Model`), and linked from the other modules that export it.",
+    ]), ""]
     for module in modules:
         uri = f"api/{module.path}.md"
         ref.pages[uri] = "\n".join(_module_page(module, by_module[module.path], children[module.path]))
