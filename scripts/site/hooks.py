@@ -6,7 +6,8 @@ The site is made from the files the repository already has, so nothing is writte
 - ``start.md`` (a real page in docs/): its ``<!-- readme: SECTION -->`` markers are replaced by README's sections;
 - ``course/``: notebooks/README.md as the course's index, notebooks/GLOSSARY.md, and a page per ``notebooks/*.ipynb``
   from its stored outputs (``notebook_page.py``; nothing is executed), its plotly figures drawn by the plotly.js of
-  the installed ``plotly`` package, copied into the site;
+  the installed ``plotly`` package, copied into the site, its Mermaid diagrams shown as their committed SVG pictures
+  (``diagrams.py``: a diagram whose picture is missing or stale is a warning, and shows its source);
 - ``api/``: a page per module of the public API and per public class in it, from the modules' ``__all__`` (else
   their public names, as griffe sees them), rendered by mkdocstrings.
 
@@ -17,11 +18,12 @@ A failed check stops the build.
 
 from __future__ import annotations
 
+import html
 import json
 import logging
-import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from mkdocs.utils import get_relative_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import api_pages  # noqa: E402  (this folder, put on the path above: MkDocs loads hooks by file name)
+import diagrams  # noqa: E402
 import notebook_page  # noqa: E402
 
 log = logging.getLogger("mkdocs.hooks.k2lab")  # under "mkdocs": a warning here fails `mkdocs build --strict`
@@ -38,6 +41,7 @@ log = logging.getLogger("mkdocs.hooks.k2lab")  # under "mkdocs": a warning here 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 ASSETS = "assets/k2lab"  # where the site's own scripts and plotly.js go
+DIAGRAM_LABEL = re.compile(r'\w+\s*[\[(]+\s*"([^"]*)"')  # a Mermaid node's label: id["label"], id(("label"))
 
 # What makes a browser fetch: a tag's src or href (a <link> that is only a reference, such as rel="canonical" under
 # `mkdocs serve`, fetches nothing), and a stylesheet's url() and @import. Absolute URLs are off the machine.
@@ -63,7 +67,6 @@ def external_requests(text: str, css: bool = False) -> list[str]:
 class State:
     pages: dict[str, notebook_page.Page] = field(default_factory=dict)  # src_uri -> rendered notebook
     api: api_pages.Reference | None = None  # the API pages, made once per build (on_config)
-    mermaid_js: Path | None = None
 
 
 STATE = State()
@@ -123,19 +126,7 @@ def _course_markdown(text: str) -> str:
 # MkDocs events
 
 
-def _mermaid_bundle() -> Path | None:
-    """A Mermaid bundle to draw the notebooks' diagrams with, when one is on this machine: ``K2LAB_MERMAID_JS``, else
-    ``mermaid.min.js`` from an npm install in the repository (node_modules/mermaid). Without one the diagrams show
-    their source."""
-    given = os.environ.get("K2LAB_MERMAID_JS")
-    if given and not Path(given).is_file():
-        log.warning(f"K2LAB_MERMAID_JS={given} is not a file: the diagrams will show their source")
-    candidates = [Path(given)] if given else [REPO / "node_modules/mermaid/dist/mermaid.min.js"]
-    return next((p for p in candidates if p.is_file()), None)
-
-
 def on_config(config):
-    STATE.mermaid_js = _mermaid_bundle()
     stems = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
     STATE.api = api_pages.build(REPO)
     for problem in STATE.api.undocumented:  # a warning each: `mkdocs build --strict` fails, naming them all
@@ -204,9 +195,11 @@ def on_files(files: Files, config) -> Files:
     add("course/index.md", _course_markdown((NOTEBOOKS / "README.md").read_text()))
     add("course/glossary.md", _course_markdown((NOTEBOOKS / "GLOSSARY.md").read_text()))
     STATE.pages.clear()
+    drawn = set()  # the SVG files of the notebooks' diagrams
     for stem in stems:
         nb = json.loads((NOTEBOOKS / f"{stem}.ipynb").read_text())
-        page = notebook_page.render(nb, _link_for_course, mermaid_drawn=STATE.mermaid_js is not None)
+        drawn |= {d.name for d in diagrams.notebook_diagrams(stem, nb)}
+        page = notebook_page.render(nb, _link_for_course, _diagram_html(stem, nb, config))
         STATE.pages[f"course/{stem}.md"] = page
         note = (f'!!! info "Read-only"\n    The notebook `notebooks/{stem}.ipynb` as it was last run (its stored '
                 "outputs). To run it and change it: [Start here](../start.md).\n\n")
@@ -217,12 +210,34 @@ def on_files(files: Files, config) -> Files:
     import plotly
 
     add(f"{ASSETS}/plotly.min.js", path=Path(plotly.__file__).parent / "package_data" / "plotly.min.js")
-    if STATE.mermaid_js is not None:
-        add(f"{ASSETS}/mermaid.min.js", path=STATE.mermaid_js)
-        notice = STATE.mermaid_js.parent.parent / "LICENSE"  # the npm package's MIT notice travels with its code
-        if notice.is_file():
-            add(f"{ASSETS}/mermaid.LICENSE.txt", path=notice)
+    for svg in sorted(diagrams.OUT.glob("*.svg")):
+        if svg.name not in drawn:
+            log.warning(f"{svg.relative_to(REPO)} draws a diagram that no notebook has any more: python "
+                        "scripts/site/diagrams.py removes it")
     return files
+
+
+def _diagram_html(stem: str, nb: dict, config) -> Callable[[int, str], str]:
+    """How notebook ``stem``'s page shows its n-th Mermaid diagram: its committed SVG (``diagrams.py``), a link to
+    the picture at full size around it; else, with a warning, its source."""
+    found = {d.number: d for d in diagrams.notebook_diagrams(stem, nb)}
+    page_url = File.generated(config, f"course/{stem}.md", content="").url
+
+    def html_of(number: int, source: str) -> str:
+        diagram = found[number]
+        state = diagram.state()
+        if state != "ok":
+            log.warning(f"notebooks/{stem}.ipynb: its Mermaid diagram {number} has a {state} SVG "
+                        f"(docs/assets/diagrams/{diagram.name}); redraw with python scripts/site/diagrams.py (npm); "
+                        "the page shows the diagram's source meanwhile")
+            return notebook_page.mermaid_source(number, source)
+        src = get_relative_url(f"{diagrams.SITE_FOLDER}/{diagram.name}", page_url)
+        labels = [" ".join(re.sub(r"<br\s*/?>", " ", label).split()) for label in DIAGRAM_LABEL.findall(source)]
+        alt = html.escape("A diagram: " + "; ".join(label for label in labels if label), quote=True)
+        return (f'<figure class="k2-diagram"><a href="{src}" title="the diagram at full size">'
+                f'<img src="{src}" alt="{alt}"></a></figure>')
+
+    return html_of
 
 
 def _insert_after_title(markdown: str, text: str) -> str:
@@ -270,8 +285,6 @@ def on_page_content(html: str, page, config, files):
     scripts = []
     if rendered.plots:
         scripts.append(f"{ASSETS}/plotly.min.js")
-    if rendered.mermaid and STATE.mermaid_js is not None:
-        scripts.append(f"{ASSETS}/mermaid.min.js")
     scripts.append(f"{ASSETS}/notebook.js")
     tags = "".join(f'<script src="{get_relative_url(s, page.url)}"></script>' for s in scripts)
     return html + tags

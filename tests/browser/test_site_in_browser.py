@@ -268,22 +268,21 @@ def test_formulas_and_saved_explorer(visit: Visit, shots: Path):
 
 @pytest.mark.parametrize("name", ["00_tour", "04b_block"])
 def test_mermaid_diagrams(visit: Visit, shots: Path, name: str):
-    """The notebooks' Mermaid diagrams: drawn as SVG where the site was built with a Mermaid bundle
-    (K2LAB_MERMAID_JS, as CI builds it), else shown as their source; never an error, never a CDN."""
+    """The notebooks' Mermaid diagrams as their committed SVG pictures (scripts/site/diagrams.py): one picture per
+    Mermaid block of the notebook, each loaded and drawn at a readable size, none shown as source, nothing fetched off
+    this machine."""
+    nb = json.loads((NOTEBOOKS / f"{name}.ipynb").read_text())
+    blocks = sum("".join(c["source"]).count("```mermaid") for c in nb["cells"] if c["cell_type"] == "markdown")
     visit.open(f"course/{name}/")
     page = visit.page
-    blocks = page.locator(".k2-mermaid")
-    assert blocks.count() >= 1
-    drawn = page.locator("pre.k2-mermaid-graph")
-    if drawn.count():
-        page.wait_for_function("() => Array.from(document.querySelectorAll('pre.k2-mermaid-graph'))"
-                               ".every(p => p.querySelector('svg'))", timeout=STEP_TIMEOUT_MS)
-        texts = drawn.first.locator("svg").text_content()
-        assert "RMSNorm" in texts, texts[:300]
-        drawn.first.screenshot(path=str(shots / f"{name}-diagram.png"))
-    else:
-        assert page.locator(".k2-mermaid-source pre").count() == blocks.count()
-        assert "flowchart" in page.locator(".k2-mermaid-source pre").first.inner_text()
+    pictures = page.locator("figure.k2-diagram img")
+    assert pictures.count() == blocks >= 1 and page.locator(".k2-mermaid-source").count() == 0
+    sizes = pictures.evaluate_all("imgs => imgs.map(i => [i.complete, i.naturalWidth, i.clientWidth])")
+    assert all(done and natural > 100 and shown > 100 for done, natural, shown in sizes), sizes
+    assert "RMSNorm" in pictures.first.get_attribute("alt")  # the labels, for a reader who cannot see the picture
+    svg = page.request.get(pictures.first.evaluate("i => i.src")).text()
+    assert "RMSNorm" in svg and "<foreignObject" not in svg  # labels as SVG text: the same in any browser
+    pictures.first.screenshot(path=str(shots / f"{name}-diagram.png"))
     assert not visit.problems, visit.problems
 
 
