@@ -2,8 +2,8 @@
 
 The site is made from the files the repository already has, so nothing is written twice:
 
-- ``index.md``: README.md's first screen (its title, what k2lab is and what a learner does), with links onward;
-- ``start.md`` (a real page in docs/): its ``<!-- readme: SECTION -->`` markers are replaced by README's sections;
+- ``index.md`` and ``start.md`` (real pages in docs/): their ``<!-- readme: SECTION -->`` markers are replaced by
+  README's sections, "lead" (what k2lab is) and "after the lead" (the rest of README's first screen) among them;
 - ``course/``: notebooks/README.md as the course's index, notebooks/GLOSSARY.md, and a page per ``notebooks/*.ipynb``
   from its stored outputs (``notebook_page.py``; nothing is executed), its plotly figures drawn by the plotly.js of
   the installed ``plotly`` package, copied into the site, its Mermaid diagrams shown as their committed SVG pictures
@@ -76,30 +76,15 @@ STATE = State()
 # README's pieces
 
 
-def _readme_sections() -> tuple[str, dict[str, str]]:
-    """README.md as (its first screen: everything before the first ``##``, {second-level title: its body})."""
+def _readme_sections() -> dict[str, str]:
+    """README.md as {name: Markdown}: each second-level section's body under its title; "lead", the first paragraph
+    after the title (what k2lab is); "after the lead", the rest of the first screen (before the first ``##``)."""
     text = (REPO / "README.md").read_text()
     parts = re.split(r"^## +(.+?)\s*$", text, flags=re.M)
-    return parts[0], {parts[i]: parts[i + 1].strip("\n") for i in range(1, len(parts), 2)}
-
-
-def _home_page(notebook_stems: list[str]) -> str:
-    first, _ = _readme_sections()
-    nav = "\n".join([
-        "",
-        "## Where to go",
-        "",
-        "- **[Start here](start.md)**: install, the two commands (start the lab; run the tests), the quick start.",
-        f"- **[The course](course/index.md)**: the {len(notebook_stems)} notebooks, read here with their stored "
-        "outputs and figures, or run in JupyterLab.",
-        "- **[For researchers](research.md)**: probes, batches, gradients, attribution patching, routing statistics.",
-        "- **[API reference](api/index.md)**: every public name of `k2lab`, `k2lab.interventions`, `k2lab.routing`, "
-        "`k2lab.patching`, `k2lab.analysis` and `k2lab.lab.exercises`.",
-        "- **Reference**: [speed](speed.md), [the K2 family](family.md), [several GPUs and nodes](multinode.md), "
-        "[experiments and measurements](experiments.md).",
-        "",
-    ])
-    return first.rstrip() + "\n" + nav
+    opening = re.sub(r"^# .*\n", "", parts[0], count=1).strip("\n")
+    lead, _, rest = opening.partition("\n\n")
+    sections = {parts[i]: parts[i + 1].strip("\n") for i in range(1, len(parts), 2)}
+    return {**sections, "lead": lead, "after the lead": rest.strip("\n")}
 
 
 def _link_for_course(target: str) -> str:
@@ -191,7 +176,6 @@ def on_files(files: Files, config) -> Files:
         else:
             files.append(File.generated(config, uri, content=content))
 
-    add("index.md", _home_page(stems))
     add("course/index.md", _course_markdown((NOTEBOOKS / "README.md").read_text()))
     add("course/glossary.md", _course_markdown((NOTEBOOKS / "GLOSSARY.md").read_text()))
     STATE.pages.clear()
@@ -260,13 +244,13 @@ def _link_for_docs(target: str) -> str:
 def on_page_markdown(markdown: str, page, config, files):
     if not page.file.generated_by and "/" not in page.file.src_uri:  # docs/*.md, written for the repository
         markdown = notebook_page.LINK.sub(lambda m: m.group(1) + _link_for_docs(m.group(2)) + m.group(3), markdown)
-    if page.file.src_uri == "start.md":
-        _, sections = _readme_sections()
+    if page.file.src_uri in ("start.md", "index.md"):
+        sections = _readme_sections()
 
         def section(m: re.Match) -> str:
             title = m.group(1).strip()
             if title not in sections:
-                log.warning(f"start.md asks for README's section {title!r}, which README.md does not have")
+                log.warning(f"{page.file.src_uri} asks for README's section {title!r}, which README.md does not have")
                 return ""
             return sections[title]
 

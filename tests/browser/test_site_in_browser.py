@@ -161,20 +161,44 @@ def visit(chromium, server) -> Iterator[Visit]:
 # The pages
 
 
-def test_home_page(visit: Visit, shots: Path):
-    visit.open("")
-    page = visit.page
-    assert page.title().startswith("k2lab")
-    assert page.locator("article h1").first.inner_text().startswith("k2lab")
-    text = page.locator("article").inner_text()
-    assert "Kimi K2" in text and "K2-nano" in text and "Start here" in text
-    nav = page.locator("nav.md-nav--primary").inner_text()
-    for entry in ("Start here", "Course", "API reference", "For researchers"):
-        assert entry in nav, f"the navigation lacks {entry!r}: {nav[:500]}"
-    fonts = page.evaluate("() => Array.from(document.fonts).map(f => f.family)")
-    page.screenshot(path=str(shots / "home.png"), full_page=True)
-    assert not visit.problems, visit.problems
-    assert not [f for f in fonts if "Roboto" in f], f"a web font is declared: {fonts}"
+FIRST_SCREEN = """() => {
+  const article = document.querySelector('article');
+  const inView = e => !!e && e.getBoundingClientRect().bottom <= window.innerHeight
+                         && e.getBoundingClientRect().width > 0;
+  const blocks = Array.from(article.querySelectorAll('pre'));
+  const install = blocks.find(p => p.innerText.includes('pip install'));
+  const code = blocks.find(p => p.innerText.includes('k2lab.load_nano()'));
+  const figure = article.querySelector('figure.k2-home-figure img');
+  return {install: inView(install), code: inView(code), codeLines: code ? code.innerText.trim().split('\\n').length : 0,
+          figure: inView(figure), figureLoaded: !!figure && figure.complete && figure.naturalWidth > 500,
+          figureWidth: figure ? figure.getBoundingClientRect().width : 0};
+}"""
+
+
+def test_home_page(chromium, server, shots: Path):
+    """The home page's first screen, at 1280x800, shows the install command, the five-line code sample and a figure
+    from the course; below it, README's opening and the way onward."""
+    visit = Visit(chromium, server, width=1280, height=800)
+    try:
+        visit.open("")
+        page = visit.page
+        assert page.title().startswith("k2lab")
+        assert page.locator("article h1").first.inner_text().startswith("k2lab")
+        text = page.locator("article").inner_text()
+        assert "Kimi K2" in text and "K2-nano" in text and "Start here" in text
+        first = page.evaluate(FIRST_SCREEN)
+        assert first["install"] and first["code"] and first["codeLines"] == 5, first
+        assert first["figure"] and first["figureLoaded"] and first["figureWidth"] > 300, first
+        nav = page.locator("nav.md-nav--primary").inner_text()
+        for entry in ("Start here", "Course", "API reference", "For researchers"):
+            assert entry in nav, f"the navigation lacks {entry!r}: {nav[:500]}"
+        fonts = page.evaluate("() => Array.from(document.fonts).map(f => f.family)")
+        page.screenshot(path=str(shots / "home-first-screen.png"))
+        page.screenshot(path=str(shots / "home.png"), full_page=True)
+        assert not visit.problems, visit.problems
+        assert not [f for f in fonts if "Roboto" in f], f"a web font is declared: {fonts}"
+    finally:
+        visit.close()
 
 
 FIGURES = """() => {
