@@ -88,7 +88,11 @@ def _entry(module: griffe.Module, name: str, modules: set[str]) -> Entry:
     member = module.members.get(name)
     if member is None:
         raise KeyError(f"{module.path}.__all__ names {name!r}, which {module.relative_filepath} does not define")
-    obj = member.final_target if member.is_alias else member
+    try:
+        obj = member.final_target if member.is_alias else member
+    except (griffe.AliasResolutionError, griffe.CyclicAliasError) as err:
+        raise ValueError(f"{module.path} makes {name!r} public, imported from {member.target_path}, outside the "
+                         "package: the API reference documents the package's own objects only") from err
     public = f"{module.path}.{name}"
     if obj.is_module and name in obj.members and not obj.members[name].is_alias:
         return Entry(module.path, name, obj.members[name], f"{obj.path}.{name}")

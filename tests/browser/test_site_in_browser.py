@@ -1,8 +1,9 @@
 """The documentation site as a visitor sees it: the built site (mkdocs.yml) served from a local http.server, opened in
-Debian's headless Chromium. Checks the home page, the notebook pages (every plotly figure the notebook stores drawn,
-none missing; the saved explorers shown; solutions folded; no cell tags; outputs inside their boxes), the API page of
-``K2Model``, and the search box (``hook_topk_idx``, ``YaRN``, ``attribution_patch``), with no failed request, no
-request off this machine and no console error. Screenshots go to the artifacts folder (see conftest.py), in site/.
+Debian's headless Chromium. Checks the home page (its first screen: install, code, a figure), the notebook pages
+(every plotly figure the notebook stores drawn, none missing; the saved explorers shown; solutions folded; no cell
+tags; outputs inside their boxes; the Mermaid diagrams as pictures), the API page of ``K2Model``, and the search box
+(``hook_topk_idx``, ``YaRN``, ``attribution_patch``), with no failed request, no request off this machine and no
+console error. Screenshots go to the artifacts folder (see conftest.py), in site/.
 
     python -m pytest -m browser tests/browser/test_site_in_browser.py
 

@@ -121,3 +121,9 @@ def test_k2lab_has_a_docstring_on_every_public_name_and_its_main_names_where_use
     for module in ("k2lab.model.speed.linear", "k2lab.weights.quant.fp8", "k2lab.tokenizer", "k2lab.viz",
                    "k2lab.training.optim", "k2lab.analysis.dictionary", "k2lab.lab.exercises", "k2lab.hf_config"):
         assert f"api/{module}.md" in ref.pages, module
+
+
+def test_a_public_name_imported_from_outside_the_package_is_refused_by_name(tmp_path):
+    files = {"__init__.py": '"""Toy."""\nfrom pathlib import Path\n__all__ = ["Path"]\n'}
+    with pytest.raises(ValueError, match=r"toy makes 'Path' public, imported from pathlib.Path, outside the package"):
+        api_pages.build(_package(tmp_path, files), "toy")
