@@ -170,7 +170,7 @@ class PipelinedK2:
 
     @property
     def lm_head(self) -> torch.nn.Module:
-        """The unembedding [V, D], on every rank (sent by the last rank at load)."""
+        """The head (the unembedding, weight [V, D]), on every rank (sent by the last rank at load)."""
         return self.model.lm_head
 
     @property
