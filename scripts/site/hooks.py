@@ -182,8 +182,9 @@ def on_files(files: Files, config) -> Files:
     drawn = set()  # the SVG files of the notebooks' diagrams
     for stem in stems:
         nb = json.loads((NOTEBOOKS / f"{stem}.ipynb").read_text())
-        drawn |= {d.name for d in diagrams.notebook_diagrams(stem, nb)}
-        page = notebook_page.render(nb, _link_for_course, _diagram_html(stem, nb, config))
+        found = diagrams.notebook_diagrams(stem, nb)
+        drawn |= {d.name for d in found}
+        page = notebook_page.render(nb, _link_for_course, _diagram_html(stem, found, config))
         STATE.pages[f"course/{stem}.md"] = page
         note = (f'!!! info "Read-only"\n    The notebook `notebooks/{stem}.ipynb` as it was last run (its stored '
                 "outputs). To run it and change it: [Start here](../start.md).\n\n")
@@ -201,14 +202,14 @@ def on_files(files: Files, config) -> Files:
     return files
 
 
-def _diagram_html(stem: str, nb: dict, config) -> Callable[[int, str], str]:
-    """How notebook ``stem``'s page shows its n-th Mermaid diagram: its committed SVG (``diagrams.py``), a link to
-    the picture at full size around it; else, with a warning, its source."""
-    found = {d.number: d for d in diagrams.notebook_diagrams(stem, nb)}
+def _diagram_html(stem: str, found: list[diagrams.Diagram], config) -> Callable[[int, str], str]:
+    """How notebook ``stem``'s page shows its n-th Mermaid diagram (of ``found``): its committed SVG
+    (``diagrams.py``), a link to the picture at full size around it; else, with a warning, its source."""
+    by_number = {d.number: d for d in found}
     page_url = File.generated(config, f"course/{stem}.md", content="").url
 
     def html_of(number: int, source: str) -> str:
-        diagram = found[number]
+        diagram = by_number[number]
         state = diagram.state()
         if state != "ok":
             log.warning(f"notebooks/{stem}.ipynb: its Mermaid diagram {number} has a {state} SVG "
