@@ -141,6 +141,8 @@ class K2Config:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` has the MoE feed-forward (``layer >= first_k_dense_replace``), else the dense
+        SwiGLU."""
         return layer >= self.first_k_dense_replace
 
     @property

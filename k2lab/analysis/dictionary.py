@@ -134,6 +134,7 @@ class TopKDictionary(nn.Module):
         return path
 
     def extra_repr(self) -> str:
+        """What ``print(module)`` shows after the class name: d_in, d_out, d_sae and k."""
         return f"d_in={self.d_in}, d_out={self.d_out}, d_sae={self.d_sae}, k={self.k}"
 
 
@@ -153,9 +154,12 @@ class TopKSAE(TopKDictionary):
         self.W_enc.copy_(self.W_dec.T)
 
     def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """(x - b_dec) @ W_enc + b_enc: x [..., d_in] -> [..., d_sae], the decoder bias subtracted before encoding
+        (SAELens's apply_b_dec_to_input)."""
         return (x - self.b_dec) @ self.W_enc + self.b_enc
 
     def config(self) -> dict:
+        """cfg.json: SAELens's TopK SAE fields, ``apply_b_dec_to_input`` true."""
         return {**super().config(), "apply_b_dec_to_input": True}
 
 
@@ -166,6 +170,7 @@ class Transcoder(TopKDictionary):
     architecture = "topk_transcoder"
 
     def config(self) -> dict:
+        """cfg.json: SAELens's transcoder fields, ``d_out`` among them."""
         return {**super().config(), "d_out": self.d_out}
 
 
@@ -485,9 +490,12 @@ class DictionaryMetrics:
 
     @property
     def ce_recovered(self) -> float:
+        """(CE_zero - CE_spliced) / (CE_zero - CE_clean): 1 when splicing costs no loss, 0 when it is as bad as
+        zero-ablating the probe."""
         return ce_recovered(self.ce_clean, self.ce_spliced, self.ce_zero)
 
     def as_dict(self) -> dict:
+        """The fields and ``ce_recovered`` as one plain dict (a table's row, a JSON record)."""
         return {**asdict(self), "ce_recovered": self.ce_recovered}
 
     def __str__(self) -> str:

@@ -155,6 +155,7 @@ class PipelinedK2:
     # ---- what analysis and interventions read ----------------------------------------------------------------------
     @property
     def config(self) -> K2Config:
+        """The whole model's K2Config, the same on every rank."""
         return self.model.config
 
     @property
@@ -164,18 +165,22 @@ class PipelinedK2:
 
     @property
     def norm(self) -> torch.nn.Module:
+        """The final RMSNorm, on every rank (sent by the last rank at load)."""
         return self.model.norm
 
     @property
     def lm_head(self) -> torch.nn.Module:
+        """The head (the unembedding, weight [V, D]), on every rank (sent by the last rank at load)."""
         return self.model.lm_head
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the weights (this rank's model's)."""
         return self.model.dtype
 
     @property
     def is_last(self) -> bool:
+        """Whether this rank holds the last stage, the one that computes the logits."""
         return self.rank == self.last
 
     def describe(self) -> str:
@@ -226,12 +231,16 @@ class PipelinedK2:
         return self.stages["lm_head" if probe == "hook_logits" else unit_of(probe)] == self.rank
 
     def hook_names(self) -> list[str]:
+        """Every probe of the whole model, global names in module order (``K2Model.hook_names``), on every rank."""
         return self.model.hook_names()
 
     def select_hook_names(self, names: NameFilter) -> list[str]:
+        """Probe names chosen by ``names``, over the whole model's global names (``K2Model.select_hook_names``)."""
         return self.model.select_hook_names(names)
 
     def hook_point(self, name: str) -> HookPoint:
+        """The probe of this name in this rank's model (``K2Model.hook_point``); a probe of another rank's block is
+        there but never fires here (``owns``)."""
         return self.model.hook_point(name)
 
     @contextmanager
@@ -250,6 +259,7 @@ class PipelinedK2:
             yield
 
     def reset_hooks(self) -> None:
+        """Detach every function from every probe of this rank's model (``K2Model.reset_hooks``)."""
         self.model.reset_hooks()
 
     def run_with_cache(self, input_ids: torch.Tensor, names: NameFilter = None,

@@ -43,14 +43,15 @@ from ..weights.placement import DeviceMap
 from .nano import NANO_DIR
 
 NANO = "nano"
+"""The name the parameter cell (and ``K2LAB_MODEL``) gives the bundled K2-nano."""
 # Architectures K2LAB_MODEL may name without weights: settings.config() gives them; loading one falls back to nano.
 PRESETS = {name: getattr(K2Config, name) for name in ("kimi_k2", "kimi_k2_0905", "kimi_k2_thinking", "moonlight")}
 
-# The lab's running prompt, followed through notebooks 00 to 07: one token's attention (03), routing (04), block (04b)
-# and logits (06) can be compared across lessons. It ends where the next token must copy a name from earlier in the
-# prompt (`radius`), which K2-nano, trained on Python, predicts.
 PROMPT = ("def area(radius):\n    return 3.14159 * radius * radius\n\n\n"
           "def perimeter(radius):\n    return 2 * 3.14159 *")
+"""The lab's running prompt, followed through notebooks 00 to 07: one token's attention (03), routing (04), block (04b)
+and logits (06) can be compared across lessons. It ends where the next token must copy a name from earlier in the prompt
+(``radius``), which K2-nano, trained on Python, predicts."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -77,6 +78,7 @@ class LabSettings:
 
     @property
     def is_nano(self) -> bool:
+        """Whether ``model`` names the bundled K2-nano."""
         return self.model == NANO
 
     @property

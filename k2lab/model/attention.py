@@ -33,6 +33,9 @@ from .layers import HookPoint, Linear, RMSNorm
 from .speed.fused_attention import fused_attention, max_logit
 
 AttnImpl = Literal["auto", "naive", "absorbed"]
+"""The attention path a forward may ask for: "naive" (every head's keys and values expanded from the latent by
+kv_b_proj), "absorbed" (kv_b_proj folded into the queries and the output: scores and values read the latent itself), or
+"auto" (``choose_attn_impl`` picks the faster for the numbers of new and cached tokens)."""
 ATTN_IMPLS = ("auto", "naive", "absorbed")
 
 

@@ -146,6 +146,8 @@ class HookedModule(nn.Module):
         self._open_blocks: list[list[tuple[list[HookFn], HookFn]]] = []  # what each open ``hooks`` block attached
 
     def name_hook_points(self) -> None:
+        """Name every HookPoint by its module path (``layers.3.mlp.gate.hook_topk_idx``) and index them by name; the
+        model calls it once its modules are built."""
         self._hook_points = {name: m for name, m in self.named_modules() if isinstance(m, HookPoint)}
         for name, point in self._hook_points.items():
             point.name = name

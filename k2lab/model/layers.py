@@ -23,6 +23,8 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        """x [..., in] -> x @ W^T [..., out]; a decode step's single row may split over the CPU's threads
+        (speed/linear.py)."""
         if self.speed and x.dim() > 1 and x.shape[-2] == 1 and split_pays(x, self.weight):  # a decode step's rows
             return split_linear(x, self.weight)  # speed/linear.py: over the CPU's threads
         return F.linear(x, self.weight)
@@ -37,6 +39,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        """x [..., dim] -> x / rms(x) * weight [..., dim], in x's dtype."""
         if x.dtype == self.weight.dtype == torch.float32:  # nothing to cast: one fused call, the same arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)  # x * rsqrt(mean(x^2) + eps), float32
@@ -53,6 +56,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
+        """x [..., D] -> down(silu(gate(x)) * up(x)) [..., D]."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -80,6 +84,8 @@ class HookPoint(nn.Module):
                     or "forward" in self.__dict__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [...] as each forward hook in turn leaves it: read, or replaced by a tensor of the same shape, dtype and
+        device. Backward hooks, when attached, will run on x's gradient."""
         for fn in tuple(self.fns):  # a copy: a hook may detach hooks (reset_hooks) while they run
             try:
                 out = fn(x, self)
@@ -120,4 +126,5 @@ class HookPoint(nn.Module):
         return out
 
     def extra_repr(self) -> str:
+        """What ``print(module)`` shows after the class name: the probe's name."""
         return self.name

@@ -161,9 +161,11 @@ class RoutedExperts(Experts):
 
     @property
     def stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [E, I, D], up [E, I, D], down [E, D, I]): the parameters themselves."""
         return self.gate_proj, self.up_proj, self.down_proj
 
     def chosen_weights(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stacks indexed by ``idx`` [...]: (gate [..., I, D], up [..., I, D], down [..., D, I])."""
         return self.gate_proj[idx], self.up_proj[idx], self.down_proj[idx]
 
 
@@ -222,6 +224,8 @@ class MoE(nn.Module):
         self.hook_shared_out = HookPoint()  # [B, T, D] the shared expert's output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+        """x [B, T, D] -> the routed experts' weighted sum, plus the shared expert where there is one [B, T, D]; the
+        experts run as ``choose_experts`` names (the reference loop, or a speed room)."""
         B, T, D = x.shape
         idx, weights = self.gate(x)  # [B, T, k], [B, T, k]
         impl = choose_experts(self.experts_impl, self.experts, x, idx, self.speed)

@@ -44,11 +44,20 @@ class Tokenizer(Protocol):
     vocab_size: int
     special_tokens: dict[str, int]
 
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: Sequence[int]) -> str: ...
-    def encode_padded(self, texts: list[str], padding_side: str = "left") -> tuple[torch.Tensor, torch.Tensor]: ...
-    def id_to_piece(self, token_id: int) -> str: ...
-    def token_bytes(self, token_id: int) -> bytes: ...
+    def encode(self, text: str) -> list[int]:
+        """text -> token ids."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """token ids -> text."""
+
+    def encode_padded(self, texts: list[str], padding_side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+        """Several texts -> (ids [B, T], attention_mask [B, T], 1 = token, 0 = pad), padded on ``padding_side``."""
+
+    def id_to_piece(self, token_id: int) -> str:
+        """One token id -> its text, as printed in tables and figures."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token id -> the bytes it stands for."""
 
 
 
@@ -72,6 +81,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None = None,
                 attn_impl: AttnImpl = "auto", attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] -> x + attention(norm(x)), then + feed-forward(norm(...)) [B, T, D]; ``cos``/``sin`` the rotary
+        rows of the positions, ``cache`` the latent cache to append to and read."""
         x = self.hook_resid_pre(x)  # [B, T, D]
         attn_in = self.input_layernorm.hook_out(self.input_layernorm(x))  # [B, T, D]
         attn = self.self_attn(attn_in, cos, sin, cache, self.layer, attn_impl, attn_mask)
@@ -136,10 +147,12 @@ class K2Model(HookedModule):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the weights (the embedding's)."""
         return self.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
+        """The device of the embedding, where ``forward`` puts the ids."""
         return self.embed_tokens.weight.device
 
     @property

@@ -32,9 +32,6 @@ from .chat import chat_segments
 from .ranks import TokenizerFileError, byte_level, recover_merges
 from .template import encode_with_template
 
-# Kimi K2's pre-tokenizer (`pat_str` in the release's tokenization_kimi.py): Han runs on their own, then
-# GPT-4-style words, 1-3 digit numbers, punctuation runs, newlines and other whitespace. Letters exclude
-# Han (`&&[^\p{Han}]`) so that the first branch gets them.
 KIMI_PATTERN = "|".join(
     [
         r"""[\p{Han}]+""",
@@ -47,6 +44,9 @@ KIMI_PATTERN = "|".join(
         r"""\s+""",
     ]
 )
+r"""Kimi K2's pre-tokenizer (``pat_str`` in the release's tokenization_kimi.py): Han runs on their own, then GPT-4-style
+words, 1-3 digit numbers, punctuation runs, newlines and other whitespace. Letters exclude Han (``&&[^\p{Han}]``) so
+that the first branch gets them."""
 
 RANKS_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -226,6 +226,7 @@ class K2Tokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """Tokens in the vocabulary: the ranks' plus the special tokens (163,840 for K2)."""
         return len(self._token_bytes)
 
     def __repr__(self) -> str:

@@ -93,6 +93,9 @@ class MuonClip(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One update of every parameter with a gradient: Muon (Nesterov momentum, orthogonalised by Newton-Schulz) for
+        the matrices, AdamW for the embedding, head and norms, each with decoupled weight decay. QK-Clip runs apart
+        (``qk_clip``)."""
         for group in self.param_groups:
             lr, wd = group["lr"] * group["lr_scale"], group["weight_decay"]
             for p in group["params"]:

@@ -205,6 +205,8 @@ class StepProbes:
     expert_counts: list[torch.Tensor] = field(default_factory=list)  # per MoE layer [E]
 
     def hooks(self, model: K2Model) -> list:
+        """The ``(selector, fn)`` pairs for ``model.hooks`` that record every head's max logit and every MoE layer's
+        expert counts into this object."""
         num_experts = model.config.n_routed_experts
 
         def record_max(max_logit, hook):  # [B, H]
@@ -363,6 +365,7 @@ def write_log(out: Path, log: dict) -> None:
 
 
 def main() -> None:
+    """``python -m k2lab.training``: parse the command line, train the preset, write the checkpoint and its log."""
     parser = argparse.ArgumentParser(description="Train K2-nano with K2's recipe on the standard library.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="nano")
     parser.add_argument("--out", type=Path, help="checkpoint folder (default: runs/<preset>); the bundled "

@@ -82,6 +82,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
+        """Whether every device keeps its headroom free once the weights and the expert cache are in."""
         return all(free >= self.headroom_bytes for free in self.free_bytes)
 
     @property

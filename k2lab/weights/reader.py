@@ -74,14 +74,17 @@ class StoredWeight:
 
     @property
     def layout(self) -> tuple[Stored, ...]:
+        """What the files hold for this tensor (``format.layout``), in the order of ``parts``."""
         return self.format.layout(self.spec, DTYPES[self.parts[0].dtype])
 
     @property
     def quantized(self) -> bool:
+        """Whether the tensor is stored quantized (values and scales) rather than as one float tensor."""
         return self.format.quantized
 
     @property
     def nbytes(self) -> int:
+        """Bytes the tensor takes in the files, every part counted."""
         return sum(part.nbytes for part in self.parts)
 
 
@@ -109,6 +112,8 @@ class Checkpoint:
         return self.weight_map[name]
 
     def info(self, name: str) -> TensorInfo:
+        """The header entry (dtype, shape, byte offset and size) of tensor ``name``; CheckpointError when its file lacks
+        it."""
         file = self.file_of(name)
         header = self._header(file)
         if name not in header:

@@ -43,6 +43,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
+        """The tensor's number of elements."""
         return math.prod(self.shape)
 
 

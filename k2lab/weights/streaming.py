@@ -49,6 +49,7 @@ class ExpertStats:
 
     @property
     def hit_rate(self) -> float:
+        """hits / (hits + misses): the share of expert uses served from the cache (0 before any use)."""
         return self.hits / max(1, self.hits + self.misses)
 
     def __str__(self) -> str:
@@ -70,6 +71,8 @@ class ExpertCache:
         self.stats = ExpertStats(budget_bytes)
 
     def get(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
+        """Expert ``expert`` of block ``layer``'s stored tensors: from the cache (a hit), else read from the files and
+        kept, least recently used experts evicted to stay in the budget (a miss)."""
         key = (layer, expert)
         if key in self._entries:
             self._entries.move_to_end(key)
@@ -129,6 +132,8 @@ class StreamedExperts(Experts):
         return super()._apply(fn, recurse)
 
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I, D], up [I, D], down [D, I]) of expert ``expert``, through the cache, dequantized to ``dtype`` on
+        ``device``."""
         tensors = self.cache.get(self.layer, expert)
         n = len(tensors) // len(EXPERT_PROJS)  # tensors per matrix
         return tuple(  # type: ignore[return-value]
@@ -137,5 +142,6 @@ class StreamedExperts(Experts):
         )
 
     def extra_repr(self) -> str:
+        """What ``print(module)`` shows after the class name: the block, the number of experts and the format."""
         return f"layer={self.layer}, {self.num_experts} experts streamed" + (
             f" as {self.format}" if self.format.quantized else "")

@@ -2,11 +2,12 @@
 
 The site is made from the files the repository already has, so nothing is written twice:
 
-- ``index.md``: README.md's first screen (its title, what k2lab is and what a learner does), with links onward;
-- ``start.md`` (a real page in docs/): its ``<!-- readme: SECTION -->`` markers are replaced by README's sections;
+- ``index.md`` and ``start.md`` (real pages in docs/): their ``<!-- readme: SECTION -->`` markers are replaced by
+  README's sections, "lead" (what k2lab is) and "after the lead" (the rest of README's first screen) among them;
 - ``course/``: notebooks/README.md as the course's index, notebooks/GLOSSARY.md, and a page per ``notebooks/*.ipynb``
   from its stored outputs (``notebook_page.py``; nothing is executed), its plotly figures drawn by the plotly.js of
-  the installed ``plotly`` package, copied into the site;
+  the installed ``plotly`` package, copied into the site, its Mermaid diagrams shown as their committed SVG pictures
+  (``diagrams.py``: a diagram whose picture is missing or stale is a warning, and shows its source);
 - ``api/``: a page per module of the public API and per public class in it, from the modules' ``__all__`` (else
   their public names, as griffe sees them), rendered by mkdocstrings.
 
@@ -17,11 +18,12 @@ A failed check stops the build.
 
 from __future__ import annotations
 
+import html
 import json
 import logging
-import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,24 +32,16 @@ from mkdocs.structure.files import File, Files
 from mkdocs.utils import get_relative_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import notebook_page  # noqa: E402  (this folder, put on the path above: MkDocs loads hooks by file name)
+import api_pages  # noqa: E402  (this folder, put on the path above: MkDocs loads hooks by file name)
+import diagrams  # noqa: E402
+import notebook_page  # noqa: E402
 
 log = logging.getLogger("mkdocs.hooks.k2lab")  # under "mkdocs": a warning here fails `mkdocs build --strict`
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 ASSETS = "assets/k2lab"  # where the site's own scripts and plotly.js go
-
-# The API reference: (the name users import, the module that defines it, what it holds). Order matters: an object
-# exported by several modules is documented on the first page that lists it and linked from the others.
-API = [
-    ("k2lab", "k2lab", "the model, configs, loading, generation, tokenizer and accounting"),
-    ("k2lab.interventions", "k2lab.analysis.interventions", "ablate, force, edit and patch: hooks that change a run"),
-    ("k2lab.routing", "k2lab.analysis.routing", "router traces and the metrics of expert load and specialisation"),
-    ("k2lab.patching", "k2lab.analysis.patching", "activation-patching sweeps, TransformerLens's and the MoE's own"),
-    ("k2lab.analysis", "k2lab.analysis", "the activation cache and dataset batches"),
-    ("k2lab.lab.exercises", "k2lab.lab.exercises", "the checks behind the notebooks' exercises"),
-]
+DIAGRAM_LABEL = re.compile(r'\w+\s*[\[(]+\s*"([^"]*)"')  # a Mermaid node's label: id["label"], id(("label"))
 
 # What makes a browser fetch: a tag's src or href (a <link> that is only a reference, such as rel="canonical" under
 # `mkdocs serve`, fetches nothing), and a stylesheet's url() and @import. Absolute URLs are off the machine.
@@ -72,8 +66,7 @@ def external_requests(text: str, css: bool = False) -> list[str]:
 @dataclass
 class State:
     pages: dict[str, notebook_page.Page] = field(default_factory=dict)  # src_uri -> rendered notebook
-    api_names: dict[str, str] = field(default_factory=dict)  # public dotted name -> page src_uri
-    mermaid_js: Path | None = None
+    api: api_pages.Reference | None = None  # the API pages, made once per build (on_config)
 
 
 STATE = State()
@@ -83,30 +76,15 @@ STATE = State()
 # README's pieces
 
 
-def _readme_sections() -> tuple[str, dict[str, str]]:
-    """README.md as (its first screen: everything before the first ``##``, {second-level title: its body})."""
+def _readme_sections() -> dict[str, str]:
+    """README.md as {name: Markdown}: each second-level section's body under its title; "lead", the first paragraph
+    after the title (what k2lab is); "after the lead", the rest of the first screen (before the first ``##``)."""
     text = (REPO / "README.md").read_text()
     parts = re.split(r"^## +(.+?)\s*$", text, flags=re.M)
-    return parts[0], {parts[i]: parts[i + 1].strip("\n") for i in range(1, len(parts), 2)}
-
-
-def _home_page(notebook_stems: list[str]) -> str:
-    first, _ = _readme_sections()
-    nav = "\n".join([
-        "",
-        "## Where to go",
-        "",
-        "- **[Start here](start.md)**: install, the two commands (start the lab; run the tests), the quick start.",
-        f"- **[The course](course/index.md)**: the {len(notebook_stems)} notebooks, read here with their stored "
-        "outputs and figures, or run in JupyterLab.",
-        "- **[For researchers](research.md)**: probes, batches, gradients, attribution patching, routing statistics.",
-        "- **[API reference](api/index.md)**: every public name of `k2lab`, `k2lab.interventions`, `k2lab.routing`, "
-        "`k2lab.patching`, `k2lab.analysis` and `k2lab.lab.exercises`.",
-        "- **Reference**: [speed](speed.md), [the K2 family](family.md), [several GPUs and nodes](multinode.md), "
-        "[experiments and measurements](experiments.md).",
-        "",
-    ])
-    return first.rstrip() + "\n" + nav
+    opening = re.sub(r"^# .*\n", "", parts[0], count=1).strip("\n")
+    lead, _, rest = opening.partition("\n\n")
+    sections = {parts[i]: parts[i + 1].strip("\n") for i in range(1, len(parts), 2)}
+    return {**sections, "lead": lead, "after the lead": rest.strip("\n")}
 
 
 def _link_for_course(target: str) -> str:
@@ -130,169 +108,17 @@ def _course_markdown(text: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The API pages
-
-
-def _load_api():
-    import griffe
-
-    package = griffe.load("k2lab", search_paths=[str(REPO)], resolve_aliases=True, resolve_external=False)
-    return package
-
-
-def _public_names(module) -> list[str]:
-    if module.exports is not None:
-        return [str(name) for name in module.exports]
-    return [name for name, member in module.members.items() if member.is_public]
-
-
-def _summary(obj) -> str:
-    try:
-        doc = obj.docstring
-    except Exception:  # noqa: BLE001 - an alias that cannot be resolved has no summary
-        return ""
-    if not doc or not doc.value.strip():
-        return ""
-    first = doc.value.strip().split("\n\n")[0].replace("\n", " ")
-    return first if len(first) <= 160 else first[:157].rsplit(" ", 1)[0] + " ..."
-
-
-def _canonical(obj) -> str:
-    try:
-        return obj.final_target.path if obj.is_alias else obj.path
-    except Exception:  # noqa: BLE001
-        return obj.path
-
-
-def _target(module, public: str, name: str):
-    """(the identifier mkdocstrings renders, its griffe object) for ``public.name``. A function re-exported under the
-    name of the submodule that defines it (``k2lab.generate``, from ``k2lab/model/generate.py``) reads to griffe as
-    that submodule; the object meant is the function inside it."""
-    obj = module[name]
-    final = obj.final_target if obj.is_alias else obj
-    submodules = {path for _, path, _ in API}
-    if final.kind.value == "module" and final.path not in submodules and name in final.members:
-        inner = final.members[name]
-        return f"{final.path}.{name}", inner
-    return f"{public}.{name}", obj
-
-
-def _anchor(public: str, name: str, identifier: str) -> str:
-    """An anchor for the public spelling where mkdocstrings' heading carries another one (see ``_target``)."""
-    return "" if identifier == f"{public}.{name}" else f'<span id="{public}.{name}"></span>\n'
-
-
-def api_pages() -> tuple[dict[str, str], list[tuple[str, list[tuple[str, str]]]]]:
-    """{src_uri: markdown} of the API pages, and the nav: [(module title, [(page title, src_uri)])]."""
-    package = _load_api()
-    pages: dict[str, str] = {}
-    nav: list[tuple[str, list[tuple[str, str]]]] = []
-    documented: dict[str, str] = {}  # canonical path -> "page.md#anchor"
-    index = ["# API reference", "",
-             "Every public name of the modules a learner or researcher imports, from their docstrings (shapes as the "
-             "docstrings give them). A module's public names are its `__all__`, else the names it defines without a "
-             "leading underscore.", ""]
-    STATE.api_names.clear()
-    for public, path, about in API:
-        module = package if path == "k2lab" else package.get_member(path[len("k2lab."):])
-        page_uri = f"api/{public}.md"
-        names = _public_names(module)
-        classes, others, modules, elsewhere = [], [], [], []
-        targets = {name: _target(module, public, name) for name in names}
-        for name in names:
-            identifier, obj = targets[name]
-            canonical = _canonical(obj)
-            kind = (obj.final_target if obj.is_alias else obj).kind.value
-            if canonical in documented:
-                elsewhere.append((name, documented[canonical]))
-            elif kind == "module":
-                modules.append(name)
-            elif kind == "class":
-                classes.append(name)
-            else:
-                others.append(name)
-        body = [f"# `{public}`", "", f"*{about}*", ""]
-        if public != path:
-            body += [f"Defined in `{path}`; imported as `{public}`.", ""]
-        body += [f"::: {path}", "    options:", "      show_root_heading: false", "      members: false", ""]
-        sub = [(public, page_uri)]
-        if classes:
-            body += ["## Classes", ""]
-            for name in classes:
-                class_uri = f"api/{public}.{name}.md"
-                identifier, obj = targets[name]
-                body.append(f"- [`{name}`]({public}.{name}.md): {_summary(obj)}")
-                pages[class_uri] = "\n".join([  # the class's own heading is the page's title
-                    _anchor(public, name, identifier), f"::: {identifier}", "    options:", "      heading_level: 1",
-                    "      show_root_heading: true", "      show_root_full_path: true", "",
-                ])
-                sub.append((name, class_uri))
-                documented[_canonical(obj)] = f"{public}.{name}.md"
-                STATE.api_names[f"{public}.{name}"] = class_uri
-            body.append("")
-        if modules:
-            body += ["## Modules", ""]
-            for name in modules:
-                target = next((p for p, d, _ in API if d == _canonical(module[name]) or p == f"{public}.{name}"), None)
-                link = f"[`{public}.{name}`]({target}.md)" if target else f"`{public}.{name}`"
-                body.append(f"- {link}: {_summary(module[name])}")
-            body.append("")
-        if elsewhere:
-            body += ["## Also exported here", ""]
-            body += [f"- [`{public}.{name}`]({where}): documented there." for name, where in elsewhere]
-            body.append("")
-        if others:
-            body += ["## Functions and constants", ""]
-            for name in others:
-                identifier, obj = targets[name]
-                body += [_anchor(public, name, identifier), f"::: {identifier}", "    options:",
-                         "      heading_level: 3", ""]
-                documented[_canonical(obj)] = f"{public}.md#{public}.{name}"
-                STATE.api_names[f"{public}.{name}"] = page_uri
-        pages[page_uri] = "\n".join(body)
-        nav.append((public, sub))
-        index += [f"## [`{public}`]({public}.md)", "", f"{about[0].upper()}{about[1:]}.", ""]
-        links = []
-        for name in names:
-            if name in classes:
-                links.append(f"[`{name}`]({public}.{name}.md)")
-            elif name in others:
-                links.append(f"[`{name}`]({public}.md#{public}.{name})")
-            elif name in modules:
-                target = next((p for p, d, _ in API if d == _canonical(module[name])), None)
-                links.append(f"[`{name}`]({target}.md)" if target else f"`{name}`")
-            else:
-                links.append(f"[`{name}`]({dict(elsewhere)[name]})")
-        index += [", ".join(links), ""]
-    pages["api/index.md"] = "\n".join(index) + "\n"
-    return pages, nav
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # MkDocs events
 
 
-def _mermaid_bundle() -> Path | None:
-    """A Mermaid bundle to draw the notebooks' diagrams with, when one is on this machine: ``K2LAB_MERMAID_JS``, else
-    ``mermaid.min.js`` from an npm install in the repository (node_modules/mermaid). Without one the diagrams show
-    their source."""
-    given = os.environ.get("K2LAB_MERMAID_JS")
-    if given and not Path(given).is_file():
-        log.warning(f"K2LAB_MERMAID_JS={given} is not a file: the diagrams will show their source")
-    candidates = [Path(given)] if given else [REPO / "node_modules/mermaid/dist/mermaid.min.js"]
-    return next((p for p in candidates if p.is_file()), None)
-
-
 def on_config(config):
-    STATE.mermaid_js = _mermaid_bundle()
     stems = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
-    _, api_nav = api_pages()
+    STATE.api = api_pages.build(REPO)
+    for problem in STATE.api.undocumented:  # a warning each: `mkdocs build --strict` fails, naming them all
+        log.warning(problem)
     course = [{"The notebooks": "course/index.md"}]
     course += [{_notebook_title(stem): f"course/{stem}.md"} for stem in stems]
     course.append({"Glossary": "course/glossary.md"})
-    api = [{"Overview": "api/index.md"}]
-    for public, sub in api_nav:
-        api.append({public: [{title: uri} for title, uri in sub]} if len(sub) > 1 else {public: sub[0][1]})
     listed = {uri for uri in _nav_uris(config["nav"] or [])}
     unlisted = sorted(p.name for p in Path(config["docs_dir"]).glob("*.md")
                       if p.name not in listed and p.name not in ("index.md",))
@@ -302,7 +128,7 @@ def on_config(config):
         if value == "course/index.md":
             nav.append({next(iter(item)): course})
         elif value == "api/index.md":
-            nav.append({next(iter(item)): api})
+            nav.append({next(iter(item)): STATE.api.nav})
         elif isinstance(item, dict) and next(iter(item)) == "Reference" and isinstance(value, list):
             # docs/ pages that mkdocs.yml does not list yet (a new reference page): under Reference, by their title
             nav.append({"Reference": value + [{_md_title(Path(config["docs_dir"]) / name): name}
@@ -350,30 +176,53 @@ def on_files(files: Files, config) -> Files:
         else:
             files.append(File.generated(config, uri, content=content))
 
-    add("index.md", _home_page(stems))
     add("course/index.md", _course_markdown((NOTEBOOKS / "README.md").read_text()))
     add("course/glossary.md", _course_markdown((NOTEBOOKS / "GLOSSARY.md").read_text()))
     STATE.pages.clear()
+    drawn = set()  # the SVG files of the notebooks' diagrams
     for stem in stems:
         nb = json.loads((NOTEBOOKS / f"{stem}.ipynb").read_text())
-        page = notebook_page.render(nb, _link_for_course, mermaid_drawn=STATE.mermaid_js is not None)
+        found = diagrams.notebook_diagrams(stem, nb)
+        drawn |= {d.name for d in found}
+        page = notebook_page.render(nb, _link_for_course, _diagram_html(stem, found, config))
         STATE.pages[f"course/{stem}.md"] = page
         note = (f'!!! info "Read-only"\n    The notebook `notebooks/{stem}.ipynb` as it was last run (its stored '
                 "outputs). To run it and change it: [Start here](../start.md).\n\n")
         add(f"course/{stem}.md", _insert_after_title(page.markdown, note))
-    api, _ = api_pages()
-    for uri, content in api.items():
+    for uri, content in STATE.api.pages.items():
         add(uri, content)
 
     import plotly
 
     add(f"{ASSETS}/plotly.min.js", path=Path(plotly.__file__).parent / "package_data" / "plotly.min.js")
-    if STATE.mermaid_js is not None:
-        add(f"{ASSETS}/mermaid.min.js", path=STATE.mermaid_js)
-        notice = STATE.mermaid_js.parent.parent / "LICENSE"  # the npm package's MIT notice travels with its code
-        if notice.is_file():
-            add(f"{ASSETS}/mermaid.LICENSE.txt", path=notice)
+    for svg in sorted(diagrams.OUT.glob("*.svg")):
+        if svg.name not in drawn:
+            log.warning(f"{svg.relative_to(REPO)} draws a diagram that no notebook has any more: python "
+                        "scripts/site/diagrams.py removes it")
     return files
+
+
+def _diagram_html(stem: str, found: list[diagrams.Diagram], config) -> Callable[[int, str], str]:
+    """How notebook ``stem``'s page shows its n-th Mermaid diagram (of ``found``): its committed SVG
+    (``diagrams.py``), a link to the picture at full size around it; else, with a warning, its source."""
+    by_number = {d.number: d for d in found}
+    page_url = File.generated(config, f"course/{stem}.md", content="").url
+
+    def html_of(number: int, source: str) -> str:
+        diagram = by_number[number]
+        state = diagram.state()
+        if state != "ok":
+            log.warning(f"notebooks/{stem}.ipynb: its Mermaid diagram {number} has a {state} SVG "
+                        f"(docs/assets/diagrams/{diagram.name}); redraw with python scripts/site/diagrams.py (npm); "
+                        "the page shows the diagram's source meanwhile")
+            return notebook_page.mermaid_source(number, source)
+        src = get_relative_url(f"{diagrams.SITE_FOLDER}/{diagram.name}", page_url)
+        labels = [" ".join(re.sub(r"<br\s*/?>", " ", label).split()) for label in DIAGRAM_LABEL.findall(source)]
+        alt = html.escape("A diagram: " + "; ".join(label for label in labels if label), quote=True)
+        return (f'<figure class="k2-diagram"><a href="{src}" title="the diagram at full size">'
+                f'<img src="{src}" alt="{alt}"></a></figure>')
+
+    return html_of
 
 
 def _insert_after_title(markdown: str, text: str) -> str:
@@ -396,13 +245,13 @@ def _link_for_docs(target: str) -> str:
 def on_page_markdown(markdown: str, page, config, files):
     if not page.file.generated_by and "/" not in page.file.src_uri:  # docs/*.md, written for the repository
         markdown = notebook_page.LINK.sub(lambda m: m.group(1) + _link_for_docs(m.group(2)) + m.group(3), markdown)
-    if page.file.src_uri == "start.md":
-        _, sections = _readme_sections()
+    if page.file.src_uri in ("start.md", "index.md"):
+        sections = _readme_sections()
 
         def section(m: re.Match) -> str:
             title = m.group(1).strip()
             if title not in sections:
-                log.warning(f"start.md asks for README's section {title!r}, which README.md does not have")
+                log.warning(f"{page.file.src_uri} asks for README's section {title!r}, which README.md does not have")
                 return ""
             return sections[title]
 
@@ -421,8 +270,6 @@ def on_page_content(html: str, page, config, files):
     scripts = []
     if rendered.plots:
         scripts.append(f"{ASSETS}/plotly.min.js")
-    if rendered.mermaid and STATE.mermaid_js is not None:
-        scripts.append(f"{ASSETS}/mermaid.min.js")
     scripts.append(f"{ASSETS}/notebook.js")
     tags = "".join(f'<script src="{get_relative_url(s, page.url)}"></script>' for s in scripts)
     return html + tags
@@ -445,12 +292,12 @@ def on_post_build(config):
         if drawn != rendered.plots or rendered.plots < rendered.stored_plots:
             problems.append(f"{uri}: {drawn} plotly figures on the page, {rendered.plots} rendered, "
                             f"{rendered.stored_plots} stored in the notebook's cells")
-    for name, uri in STATE.api_names.items():
+    for name, uri in STATE.api.anchors.items():
         html_path = site / uri.replace(".md", "") / "index.html"
         if f'id="{name}"' not in html_path.read_text():
             problems.append(f"{uri}: no anchor for the public name {name}")
     if problems:
         raise PluginError("the built site fails its checks:\n  " + "\n  ".join(problems))
     total = sum(p.plots for p in STATE.pages.values())
-    log.info(f"k2lab site: {len(STATE.pages)} notebook pages, {total} plotly figures, "
-             f"{len(STATE.api_names)} API anchors checked, no request off this machine")
+    log.info(f"k2lab site: {len(STATE.pages)} notebook pages, {total} plotly figures, {STATE.api.modules} API "
+             f"modules, {len(STATE.api.anchors)} API anchors checked, no request off this machine")

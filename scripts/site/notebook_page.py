@@ -7,8 +7,8 @@ them. What the page shows, cell by cell:
 
 - Markdown cells as Markdown; ``$...$`` and ``$$...$$`` formulas as MathML (``latex2mathml``, drawn by the browser
   itself, no script); the ``<details>`` folds of hints and solutions stay folds (their inside is Markdown too);
-  links to other notebooks point at their pages; Mermaid diagrams are drawn by a Mermaid bundled into the site when
-  one is given (``mermaid_js``), else shown as their source.
+  links to other notebooks point at their pages; each Mermaid diagram is what ``render``'s ``diagram`` makes of it
+  (the site: its committed SVG, ``diagrams.py``), else its source.
 - Code cells highlighted, with their stored outputs: streams and tracebacks as text boxes that scroll when long or
   wide; HTML, images, Markdown and LaTeX as such; plotly figures (``application/vnd.plotly.v1+json``) as divs that
   ``notebook.js`` draws with the plotly.js bundled into the site; ipywidgets as their saved state (the notebook's
@@ -88,6 +88,11 @@ INLINE_MATH = re.compile(r"(?<![\\$\w])\$(?=\S)([^$\n]+?)(?<=\S)\$(?![\w$])")
 DETAILS = re.compile(r"<details(\s[^>]*)?>", re.I)
 
 
+def is_mermaid(fence: re.Match) -> bool:
+    """Whether a ``FENCE`` match is a Mermaid diagram (its info string says ``mermaid``)."""
+    return fence.group("info").strip().lower() == "mermaid"
+
+
 def _split_keep(pattern: re.Pattern, text: str) -> list[tuple[bool, str]]:
     """``text`` cut into (matched, piece) runs."""
     out, last = [], 0
@@ -99,23 +104,22 @@ def _split_keep(pattern: re.Pattern, text: str) -> list[tuple[bool, str]]:
     return out
 
 
+def mermaid_source(number: int, body: str) -> str:
+    """A Mermaid diagram shown as its source (what ``render`` does without a ``diagram`` function)."""
+    return ('<div class="k2-mermaid k2-mermaid-source"><div class="k2-note">A Mermaid diagram (JupyterLab draws it; '
+            f'its source here):</div><pre><code>{html.escape(body.rstrip())}</code></pre></div>')
+
+
 def markdown_cell(source: str, page: Page, link: Callable[[str], str], tags: list[str],
-                  mermaid_drawn: bool) -> str:
+                  diagram: Callable[[int, str], str] = mermaid_source) -> str:
     """A Markdown cell's source, ready for MkDocs (formulas, diagrams and folds prepared; links rewritten)."""
     pieces = []
     for fenced, piece in _split_keep(FENCE, source):
         if fenced:
             m = FENCE.match(piece)
-            if m and m.group("info").strip().lower() == "mermaid":
+            if m and is_mermaid(m):
                 page.mermaid += 1
-                body = html.escape(m.group("body").rstrip("\n"))
-                if mermaid_drawn:
-                    block = f'<div class="k2-mermaid"><pre class="k2-mermaid-graph">{body}</pre></div>'
-                else:
-                    block = ('<div class="k2-mermaid k2-mermaid-source"><div class="k2-note">A Mermaid diagram '
-                             '(JupyterLab draws it; its source here):</div>'
-                             f'<pre><code>{body}</code></pre></div>')
-                piece = "\n" + page.put(block) + "\n"
+                piece = "\n" + page.put(diagram(page.mermaid, m.group("body"))) + "\n"
             pieces.append(piece)
             continue
         out = []
@@ -316,8 +320,9 @@ def widget_html(model_id: str, widgets: dict, page: Page, depth: int = 0) -> str
 # The whole notebook
 
 
-def render(nb: dict, link: Callable[[str], str], mermaid_drawn: bool = False) -> Page:
-    """The page of notebook ``nb`` (its JSON), ``link`` rewriting a Markdown link's target (another notebook's page)."""
+def render(nb: dict, link: Callable[[str], str], diagram: Callable[[int, str], str] = mermaid_source) -> Page:
+    """The page of notebook ``nb`` (its JSON), ``link`` rewriting a Markdown link's target (another notebook's page),
+    ``diagram(n, source)`` the HTML of the page's n-th Mermaid diagram (from 1)."""
     page = Page("")
     widgets = nb.get("metadata", {}).get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
     chunks: list[str] = []
@@ -326,7 +331,7 @@ def render(nb: dict, link: Callable[[str], str], mermaid_drawn: bool = False) ->
         tags = list(cell.get("metadata", {}).get("tags", []))
         source = _text(cell.get("source", ""))
         if cell.get("cell_type") == "markdown":
-            chunks.append(markdown_cell(source, page, link, tags, mermaid_drawn))
+            chunks.append(markdown_cell(source, page, link, tags, diagram))
             open_solution = len(chunks) - 1 if "solution" in tags and chunks[-1].rstrip().endswith("</details>") \
                 else None
             continue

@@ -1,8 +1,9 @@
 """The documentation site as a visitor sees it: the built site (mkdocs.yml) served from a local http.server, opened in
-Debian's headless Chromium. Checks the home page, the notebook pages (every plotly figure the notebook stores drawn,
-none missing; the saved explorers shown; solutions folded; no cell tags; outputs inside their boxes), the API page of
-``K2Model``, and the search box (``hook_topk_idx``, ``YaRN``, ``attribution_patch``), with no failed request, no
-request off this machine and no console error. Screenshots go to the artifacts folder (see conftest.py), in site/.
+Debian's headless Chromium. Checks the home page (its first screen: install, code, a figure), the notebook pages
+(every plotly figure the notebook stores drawn, none missing; the saved explorers shown; solutions folded; no cell
+tags; outputs inside their boxes; the Mermaid diagrams as pictures), the API page of ``K2Model``, and the search box
+(``hook_topk_idx``, ``YaRN``, ``attribution_patch``), with no failed request, no request off this machine and no
+console error. Screenshots go to the artifacts folder (see conftest.py), in site/.
 
     python -m pytest -m browser tests/browser/test_site_in_browser.py
 
@@ -161,20 +162,44 @@ def visit(chromium, server) -> Iterator[Visit]:
 # The pages
 
 
-def test_home_page(visit: Visit, shots: Path):
-    visit.open("")
-    page = visit.page
-    assert page.title().startswith("k2lab")
-    assert page.locator("article h1").first.inner_text().startswith("k2lab")
-    text = page.locator("article").inner_text()
-    assert "Kimi K2" in text and "K2-nano" in text and "Start here" in text
-    nav = page.locator("nav.md-nav--primary").inner_text()
-    for entry in ("Start here", "Course", "API reference", "For researchers"):
-        assert entry in nav, f"the navigation lacks {entry!r}: {nav[:500]}"
-    fonts = page.evaluate("() => Array.from(document.fonts).map(f => f.family)")
-    page.screenshot(path=str(shots / "home.png"), full_page=True)
-    assert not visit.problems, visit.problems
-    assert not [f for f in fonts if "Roboto" in f], f"a web font is declared: {fonts}"
+FIRST_SCREEN = """() => {
+  const article = document.querySelector('article');
+  const inView = e => !!e && e.getBoundingClientRect().bottom <= window.innerHeight
+                         && e.getBoundingClientRect().width > 0;
+  const blocks = Array.from(article.querySelectorAll('pre'));
+  const install = blocks.find(p => p.innerText.includes('pip install'));
+  const code = blocks.find(p => p.innerText.includes('k2lab.load_nano()'));
+  const figure = article.querySelector('figure.k2-home-figure img');
+  return {install: inView(install), code: inView(code), codeLines: code ? code.innerText.trim().split('\\n').length : 0,
+          figure: inView(figure), figureLoaded: !!figure && figure.complete && figure.naturalWidth > 500,
+          figureWidth: figure ? figure.getBoundingClientRect().width : 0};
+}"""
+
+
+def test_home_page(chromium, server, shots: Path):
+    """The home page's first screen, at 1280x800, shows the install command, the five-line code sample and a figure
+    from the course; below it, README's opening and the way onward."""
+    visit = Visit(chromium, server, width=1280, height=800)
+    try:
+        visit.open("")
+        page = visit.page
+        assert page.title().startswith("k2lab")
+        assert page.locator("article h1").first.inner_text().startswith("k2lab")
+        text = page.locator("article").inner_text()
+        assert "Kimi K2" in text and "K2-nano" in text and "Start here" in text
+        first = page.evaluate(FIRST_SCREEN)
+        assert first["install"] and first["code"] and first["codeLines"] == 5, first
+        assert first["figure"] and first["figureLoaded"] and first["figureWidth"] > 300, first
+        nav = page.locator("nav.md-nav--primary").inner_text()
+        for entry in ("Start here", "Course", "API reference", "For researchers"):
+            assert entry in nav, f"the navigation lacks {entry!r}: {nav[:500]}"
+        fonts = page.evaluate("() => Array.from(document.fonts).map(f => f.family)")
+        page.screenshot(path=str(shots / "home-first-screen.png"))
+        page.screenshot(path=str(shots / "home.png"), full_page=True)
+        assert not visit.problems, visit.problems
+        assert not [f for f in fonts if "Roboto" in f], f"a web font is declared: {fonts}"
+    finally:
+        visit.close()
 
 
 FIGURES = """() => {
@@ -268,22 +293,21 @@ def test_formulas_and_saved_explorer(visit: Visit, shots: Path):
 
 @pytest.mark.parametrize("name", ["00_tour", "04b_block"])
 def test_mermaid_diagrams(visit: Visit, shots: Path, name: str):
-    """The notebooks' Mermaid diagrams: drawn as SVG where the site was built with a Mermaid bundle
-    (K2LAB_MERMAID_JS, as CI builds it), else shown as their source; never an error, never a CDN."""
+    """The notebooks' Mermaid diagrams as their committed SVG pictures (scripts/site/diagrams.py): one picture per
+    Mermaid block of the notebook, each loaded and drawn at a readable size, none shown as source, nothing fetched off
+    this machine."""
+    nb = json.loads((NOTEBOOKS / f"{name}.ipynb").read_text())
+    blocks = sum("".join(c["source"]).count("```mermaid") for c in nb["cells"] if c["cell_type"] == "markdown")
     visit.open(f"course/{name}/")
     page = visit.page
-    blocks = page.locator(".k2-mermaid")
-    assert blocks.count() >= 1
-    drawn = page.locator("pre.k2-mermaid-graph")
-    if drawn.count():
-        page.wait_for_function("() => Array.from(document.querySelectorAll('pre.k2-mermaid-graph'))"
-                               ".every(p => p.querySelector('svg'))", timeout=STEP_TIMEOUT_MS)
-        texts = drawn.first.locator("svg").text_content()
-        assert "RMSNorm" in texts, texts[:300]
-        drawn.first.screenshot(path=str(shots / f"{name}-diagram.png"))
-    else:
-        assert page.locator(".k2-mermaid-source pre").count() == blocks.count()
-        assert "flowchart" in page.locator(".k2-mermaid-source pre").first.inner_text()
+    pictures = page.locator("figure.k2-diagram img")
+    assert pictures.count() == blocks >= 1 and page.locator(".k2-mermaid-source").count() == 0
+    sizes = pictures.evaluate_all("imgs => imgs.map(i => [i.complete, i.naturalWidth, i.clientWidth])")
+    assert all(done and natural > 100 and shown > 100 for done, natural, shown in sizes), sizes
+    assert "RMSNorm" in pictures.first.get_attribute("alt")  # the labels, for a reader who cannot see the picture
+    svg = page.request.get(pictures.first.evaluate("i => i.src")).text()
+    assert "RMSNorm" in svg and "<foreignObject" not in svg  # labels as SVG text: the same in any browser
+    pictures.first.screenshot(path=str(shots / f"{name}-diagram.png"))
     assert not visit.problems, visit.problems
 
 

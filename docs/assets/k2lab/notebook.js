@@ -1,6 +1,6 @@
 // Notebook pages of the k2lab site (scripts/site/notebook_page.py writes them): draws each stored plotly figure with
-// the plotly.js bundled into the site (no CDN), and the Mermaid diagrams when a Mermaid bundle was built in. A figure
-// inside a closed fold (a solution) is drawn when the fold opens, so it gets its real width.
+// the plotly.js bundled into the site (no CDN). A figure inside a closed fold (a solution) is drawn when the fold
+// opens, so it gets its real width. (The Mermaid diagrams are committed SVG pictures: scripts/site/diagrams.py.)
 (function () {
   "use strict";
 
@@ -18,15 +18,8 @@
 
   function drawAll(root) {
     if (window.Plotly) root.querySelectorAll(".k2-plotly").forEach(drawPlot);
-    if (window.mermaid) {
-      var todo = Array.prototype.filter.call(root.querySelectorAll("pre.k2-mermaid-graph"), function (pre) {
-        return !pre.dataset.processed && pre.offsetParent !== null;
-      });
-      if (todo.length) window.mermaid.run({ nodes: todo });
-    }
   }
 
-  if (window.mermaid) window.mermaid.initialize({ startOnLoad: false, securityLevel: "strict" });
   if (document.readyState === "loading") {
     document.addEventListener("DOMContentLoaded", function () { drawAll(document); });
   } else {

@@ -47,6 +47,7 @@ def checker(check: Callable[..., Verdict]) -> Callable[..., Verdict]:
 
 
 def generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed``: a check's inputs are the same on every run and machine."""
     return torch.Generator().manual_seed(seed)
 
 
@@ -61,6 +62,7 @@ def call(fn: Callable, *args: Any) -> tuple[Any, Verdict | None]:
 
 
 def same(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> bool:
+    """Whether ``a`` and ``b`` have one shape and agree to ``atol``/``rtol`` (compared in float64)."""
     return a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=atol, rtol=rtol)
 
 

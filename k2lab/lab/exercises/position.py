@@ -78,10 +78,10 @@ def check_rotation(fn: Callable) -> Verdict:
 
 # --- YaRN ---------------------------------------------------------------------------------------------------------
 
-# DeepSeek-V3's rotary settings (its config.json): beta_fast 32 makes the ramp between the kept and the divided
-# frequencies a real ramp (pairs 10..23), where K2's beta_fast 1 makes it a step (pairs 19 | 20).
 DEEPSEEK_V3_ROPE = dict(rope_theta=10_000.0, rope_factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
                         beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, max_position_embeddings=163_840)
+"""DeepSeek-V3's rotary settings (its config.json): beta_fast 32 makes the ramp between the kept and the divided
+frequencies a real ramp (pairs 10..23), where K2's beta_fast 1 makes it a step (pairs 19 | 20)."""
 
 
 def _yarn_mistakes(cfg: K2Config) -> list[tuple[str, torch.Tensor]]:

@@ -61,11 +61,14 @@ class StackSlices(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, stack: torch.Tensor, groups: list[tuple[int, ...]]) -> tuple[torch.Tensor, ...]:
+        """stack [E, ...] -> one view per group of experts (``group_span``)."""
         ctx.groups, ctx.shape = groups, stack.shape
         return tuple(stack[group_span(group)] for group in groups)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        """The groups' gradients written into one stack-sized gradient [E, ...] (None when no group's output reached the
+        loss)."""
         stack_grad = None
         for group, grad in zip(ctx.groups, grads, strict=True):
             if grad is not None:  # a group whose output did not reach the loss has no gradient

@@ -42,6 +42,7 @@ class Stored:
 
     @property
     def nbytes(self) -> int:
+        """The tensor's bytes: its elements times its dtype's size."""
         return math.prod(self.shape) * self.dtype.itemsize
 
 
@@ -118,6 +119,7 @@ class QuantFormat:
 
 
 UNQUANTIZED = QuantFormat()
+"""The format of a checkpoint stored in plain floats (bfloat16 for the release): nothing quantized."""
 _REGISTRY: dict[str, type[QuantFormat]] = {}  # quant_method -> format
 _BY_NAME: dict[str, QuantFormat] = {UNQUANTIZED.name: UNQUANTIZED}  # name -> the release's settings
 
@@ -194,14 +196,17 @@ class QuantizedLinear(QuantizedResident):
 
     @property
     def weight(self) -> torch.Tensor:  # [out, in] in self.dtype
+        """The dequantized weight [out, in] in ``dtype``, made anew at each read."""
         return self.format.dequantize(tuple(getattr(self, "weight" + s) for s in self.suffixes), self.dtype)
 
     speed = True  # K2Model.speed: False runs F.linear always
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> x @ weight^T [..., out], through the dequantized weight."""
         return threaded_linear(x, self.weight, self.speed)  # F.linear but for a decode step's few rows on the CPU
 
     def extra_repr(self) -> str:
+        """What ``print(module)`` shows after the class name: the widths and the format."""
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}"
 
 
@@ -221,6 +226,8 @@ class QuantizedRoutedExperts(QuantizedResident, Experts):
         self.suffixes = [part.held for part in parts]
 
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I, D], up [I, D], down [D, I]) of expert ``expert``, dequantized to ``dtype`` from the stored
+        stacks."""
         return tuple(  # type: ignore[return-value]
             self.format.dequantize(tuple(getattr(self, p + s)[expert] for s in self.suffixes), self.dtype)
             for p in EXPERT_PROJS
@@ -236,4 +243,5 @@ class QuantizedRoutedExperts(QuantizedResident, Experts):
         )
 
     def extra_repr(self) -> str:
+        """What ``print(module)`` shows after the class name: the number of experts and the format."""
         return f"{self.num_experts} experts, {self.format}"

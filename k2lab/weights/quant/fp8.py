@@ -110,20 +110,29 @@ class FP8Format(QuantFormat):
         object.__setattr__(self, "block", tuple(self.block))
 
     def quantizes(self, spec: TensorSpec) -> bool:
+        """Every quantizable matrix (``spec.quantizable``) is stored in e4m3."""
         return spec.quantizable
 
     def matrix_layout(self, name: str, shape: tuple[int, int]) -> tuple[Stored, ...]:
+        """An [O, I] matrix as stored: e4m3 ``weight`` [O, I], then float32 ``weight_scale_inv`` [ceil(O/b0),
+        ceil(I/b1)]."""
         return (Stored(name, FP8, tuple(shape), "_fp8"),
                 Stored(name + "_scale_inv", torch.float32, scale_shape(shape, self.block), "_scale_inv"))
 
     def quantize(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[O, I] float -> (e4m3 values [O, I], float32 scale_inv per block): each block's largest magnitude maps to
+        e4m3's largest, 448."""
         return quantize(weight, self.block)
 
     def dequantize(self, held: tuple[torch.Tensor, ...], dtype: torch.dtype | None) -> torch.Tensor:
+        """(e4m3 values, scale_inv) of a matrix (or of stacks [E, ...]) -> values * scale_inv block by block, in
+        ``dtype`` (default bfloat16)."""
         values, scale_inv = held
         return in_one_pass(dequantize, values, scale_inv, self.block, dtype or torch.bfloat16)  # fused_dequant.py
 
     def quantization_config(self) -> dict[str, Any]:
+        """config.json's entry for this format: quant_method ``fp8``, fmt ``e4m3``, dynamic activations, the block
+        size."""
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": list(self.block)}
 
@@ -132,6 +141,8 @@ class FP8Format(QuantFormat):
         # DeepSeek-V3.1 adds scale_fmt "ue8m0": its block scales are powers of two (an unsigned 8-bit exponent, for
         # kernels that round their activation scales so), still stored as float32 weight_scale_inv, so dequantizing
         # is unchanged. Any other scale format is refused.
+        """The format that config.json's quantization_config describes: e4m3 in a 2-d ``weight_block_size``
+        (DeepSeek-V3.1's power-of-two ``ue8m0`` scales too); ValueError naming anything else."""
         if config.get("scale_fmt") not in (None, "ue8m0"):
             raise ValueError(f"{where}: quantization_config scale_fmt={config['scale_fmt']!r} is not implemented by "
                              "k2lab (supported: 'ue8m0', power-of-two float32 scales)")
@@ -143,10 +154,12 @@ class FP8Format(QuantFormat):
 
     def linear(self, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str | None = None) -> FP8Linear:
+        """An ``FP8Linear`` with this format's block size."""
         return FP8Linear(in_features, out_features, self.block, dtype, device)
 
     def routed_experts(self, cfg: K2Config, dtype: torch.dtype = torch.bfloat16,
                        device: torch.device | str | None = None) -> FP8RoutedExperts:
+        """A layer's routed experts held in e4m3 with this format's block size (``FP8RoutedExperts``)."""
         return FP8RoutedExperts(cfg, self.block, dtype, device)
 
 
@@ -168,10 +181,13 @@ class FP8Linear(QuantizedLinear):
         self.block = self.format.block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        """x [..., in] -> x @ weight^T [..., out]: through the dequantized weight, or the e4m3 bytes themselves with
+        ``fp8_products`` on a GPU that multiplies FP8."""
         return fp8_product(x, self.weight_fp8, self.weight_scale_inv, self.block, self.dtype,
                            self.fp8_products and self.speed, self.speed)
 
     def extra_repr(self) -> str:
+        """What ``print(module)`` shows after the class name: the widths and the block size."""
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 in {self.block} blocks"
 
 

@@ -82,9 +82,12 @@ class Int4Format(QuantFormat):
                    for entry in self.ignore)
 
     def quantizes(self, spec: TensorSpec) -> bool:
+        """A quantizable matrix is stored as INT4 unless ``ignore`` names its Linear."""
         return spec.quantizable and not self.ignores(spec.name.removesuffix(".weight"))
 
     def matrix_layout(self, name: str, shape: tuple[int, int]) -> tuple[Stored, ...]:
+        """An [O, I] matrix as stored: ``weight_packed`` int32 [O, I/8] (eight 4-bit values a word), ``weight_scale``
+        bfloat16 [O, I/group_size], and ``weight_shape`` int32 [2] (not held: checked at load)."""
         O, I = shape
         if I % self.group_size:
             raise ValueError(f"INT4 in groups of {self.group_size}: {name} has {I} input columns, not a multiple")
@@ -104,14 +107,19 @@ class Int4Format(QuantFormat):
         return pack(values), scale, torch.tensor([O, I], dtype=torch.int32)
 
     def dequantize(self, held: tuple[torch.Tensor, ...], dtype: torch.dtype | None) -> torch.Tensor:
+        """(packed [..., O, I/8], scale [..., O, I/group_size]) -> each 4-bit value times its group's scale [..., O, I],
+        in ``dtype`` (default bfloat16)."""
         packed, scale = held
         return in_one_pass(dequantize, packed, scale, self.group_size, dtype or torch.bfloat16)  # fused_dequant.py
 
     def check_unheld(self, spec: TensorSpec, stored: Stored, tensor: torch.Tensor) -> None:
+        """``weight_shape`` must be the [O, I] that config.json implies; ValueError naming both otherwise."""
         if tensor.tolist() != list(spec.shape):
             raise ValueError(f"{stored.name} is {tensor.tolist()}, but config.json implies {list(spec.shape)}")
 
     def quantization_config(self) -> dict[str, Any]:
+        """config.json's entry for this format: compressed-tensors, pack-quantized, one group of Linear weights in
+        symmetric 4-bit groups, the ``ignore`` list."""
         weights = {**_WEIGHTS_SCHEME, "group_size": self.group_size, "actorder": None, "block_structure": None,
                    "observer": "minmax", "observer_kwargs": {}}
         return {
@@ -123,6 +131,9 @@ class Int4Format(QuantFormat):
 
     @classmethod
     def from_quantization_config(cls, config: dict[str, Any], where: str) -> Int4Format:
+        """The format that a compressed-tensors quantization_config describes (group size and ``ignore``); ValueError
+        naming any setting k2lab does not implement (another format or status, several groups, weights other than
+        symmetric 4-bit integers in groups, activation or KV-cache quantization)."""
         def refuse(what: str) -> ValueError:
             return ValueError(f"{where}: quantization_config {what} is not implemented by k2lab (supported for "
                               "compressed-tensors: format 'pack-quantized', one config group of Linear weights "
