@@ -70,6 +70,7 @@ class Block:
     line: int = 0  # the line of the file where the body starts (1-based), so tracebacks point into mine.py
 
     def text(self) -> str:
+        """The block as mine.py holds it: its header line (name, notebook, verdict, digest), the body, its end line."""
         mark = "✓" if self.passed else "✗"
         return (f"# >>> {self.name} | {self.where} | {mark} {self.check} | {self.digest}\n{self.body.rstrip()}\n"
                 f"# <<< {self.name}\n")
@@ -426,3 +427,5 @@ def _show(verdict: Verdict) -> None:
 
 
 mine = Mine()
+"""The learner's module: ``@lab.mine`` checks an exercise's function and keeps it in mine.py; ``lab.mine.load(...)``
+gives the pieces back (see ``Mine``)."""
