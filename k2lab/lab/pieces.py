@@ -23,6 +23,7 @@ from torch.func import functional_call
 
 from ..config import K2Config
 from .exercises.checking import Verdict
+from .exercises.decode import nano_and_prompt, reference_cached_mla
 from .own_training import meta_mla, training_step
 
 
@@ -50,20 +51,11 @@ def _checker(name: str, *args, **kwargs) -> Callable[[Callable], Verdict]:
 
 
 @functools.cache
-def _nano_and_prompt() -> tuple[torch.nn.Module, torch.Tensor]:
-    """K2-nano and the lab's running prompt, loaded once for the checks that need a trained model."""
-    from .nano import load_nano
-    from .settings import PROMPT
-
-    model, tok = load_nano()
-    return model, torch.tensor([tok.encode(PROMPT)])
-
-
 def _on_nano(name: str, **kwargs) -> Callable[[Callable], Verdict]:
     def check(fn: Callable) -> Verdict:
         from . import exercises
 
-        model, ids = _nano_and_prompt()
+        model, ids = nano_and_prompt()
         return getattr(exercises, name)(fn, model, ids, **kwargs)
 
     return check
@@ -92,22 +84,6 @@ def reference_mla_absorbed(w: dict[str, torch.Tensor], cfg: K2Config, hidden: to
                            sin: torch.Tensor) -> torch.Tensor:
     """03's ``my_mla_absorbed``: the same module on its absorbed path."""
     return functional_call(meta_mla(cfg), w, (hidden, cos, sin), {"attn_impl": "absorbed"})
-
-
-def reference_cached_mla(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """09's ``my_cached_mla``: k2lab's absorbed MLA over a one-layer ``LatentCache`` that holds ``cache`` [B, S, C + R]
-    before the new tokens ``hidden`` [B, T, D] (at positions S..S+T-1, whose ``cos``, ``sin`` [T, R] are given).
-    Returns the output [B, T, D] and the cache with the new entries [B, S + T, C + R]."""
-    from ..model import LatentCache
-
-    lc = LatentCache(cfg, hidden.shape[0], dtype=cache.dtype, device=hidden.device, num_layers=1)
-    if cache.shape[1]:
-        lc.append(0, cache)
-        lc.advance(cache.shape[1])
-    out = functional_call(meta_mla(cfg), w, (hidden, cos, sin), {"cache": lc, "layer": 0, "attn_impl": "absorbed"})
-    lc.advance(hidden.shape[1])
-    return out, lc.latents(0).clone()
 
 
 def reference_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,

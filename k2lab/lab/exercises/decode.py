@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.func import functional_call
 
 from ...config import K2Config
 from ...model import K2Model, MultiHeadLatentAttention, generate
 from ...model.rope import cos_sin_scale, inverse_frequencies
+from ..own_training import meta_mla
 from .checking import Verdict, Watch, call, checker, compare, generator, slices
 
 EXPANDED = ("you expanded the cached latents into every head's keys or values; attend over the cache as it is "
@@ -88,7 +90,6 @@ def check_cached_mla(fn: Callable) -> Verdict:
 
     Three calls: a prompt into an empty cache (S = 0), one decode step (T = 1), and a chunk of three tokens after
     four cached ones, where the mask's offset matters."""
-    from ..pieces import reference_cached_mla
 
     cfg = K2Config.nano().replace(kv_lora_rank=40)
     attn = _attention(cfg, seed=51)
@@ -177,9 +178,8 @@ def check_cached_generate(fn: Callable, model: K2Model | None = None, ids: torch
     ``k2lab.generate``. By default on K2-nano and the lab's running prompt; a step that runs the whole sequence
     through the model again (no cache) is named, and so is the first step whose token differs, with both tokens."""
     if model is None or ids is None:
-        from ..pieces import _nano_and_prompt
 
-        model, ids = _nano_and_prompt()
+        model, ids = nano_and_prompt()
     ids = torch.as_tensor(ids).to(model.device)
     T, D = ids.shape[1], model.config.hidden_size
     with torch.no_grad():
@@ -226,3 +226,27 @@ def check_cached_generate(fn: Callable, model: K2Model | None = None, ids: torch
     return Verdict(True, f"greedy generation through the cache: the same {new_tokens} tokens as k2lab.generate, one "
                          f"position per decode step")
 
+
+def nano_and_prompt() -> tuple[torch.nn.Module, torch.Tensor]:
+    """K2-nano and the lab's running prompt, loaded once for the checks that need a trained model."""
+    from ..nano import load_nano
+    from ..settings import PROMPT
+
+    model, tok = load_nano()
+    return model, torch.tensor([tok.encode(PROMPT)])
+
+
+def reference_cached_mla(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """09's ``my_cached_mla``: k2lab's absorbed MLA over a one-layer ``LatentCache`` that holds ``cache`` [B, S, C + R]
+    before the new tokens ``hidden`` [B, T, D] (at positions S..S+T-1, whose ``cos``, ``sin`` [T, R] are given).
+    Returns the output [B, T, D] and the cache with the new entries [B, S + T, C + R]."""
+    from ...model import LatentCache
+
+    lc = LatentCache(cfg, hidden.shape[0], dtype=cache.dtype, device=hidden.device, num_layers=1)
+    if cache.shape[1]:
+        lc.append(0, cache)
+        lc.advance(cache.shape[1])
+    out = functional_call(meta_mla(cfg), w, (hidden, cos, sin), {"cache": lc, "layer": 0, "attn_impl": "absorbed"})
+    lc.advance(hidden.shape[1])
+    return out, lc.latents(0).clone()
