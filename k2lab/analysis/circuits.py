@@ -451,6 +451,7 @@ def attribute(model: K2Model, transcoders: Sequence[nn.Module] | Mapping[int, nn
     target_spec = _resolve_target(model, logits[0], target, position)
     L, T, D = len(model.layers), ids.shape[1], model.config.hidden_size
     rows = {name: cache[name][0].to(dtype) for name in cache.keys()}
+    device = rows["embed_tokens.hook_out"].device
 
     # The nodes: features read from each block's real input, errors what each block wrote beyond its transcoder.
     active, values, errors = [], [], []  # per layer: [T, F] bool, [T, F] activations; errors [T, D]
@@ -489,21 +490,22 @@ def attribute(model: K2Model, transcoders: Sequence[nn.Module] | Mapping[int, nn
     feature_of = torch.cat([torch.full((T,), -1), *(w[:, 1].cpu() for w in where), torch.full((L * T + 1,), -1)])
     error_stack = torch.stack(errors)  # [L, T, D]
     activation = torch.cat([embed.norm(dim=-1), *(values[i][w[:, 0], w[:, 1]] for i, w in enumerate(where)),
-                            error_stack.norm(dim=-1).flatten(), torch.tensor([target_spec.value], dtype=dtype)])
+                            error_stack.norm(dim=-1).flatten(),
+                            torch.tensor([target_spec.value], dtype=dtype, device=device)])
     # Per layer, the active features' decoder vectors a_f W_dec[f] padded per position to K slots, and their nodes.
     K = max([int(on.sum(-1).max()) for on in active] + [1])
-    decoders = torch.zeros(L, T, K, D, dtype=dtype)  # [L, T, K, D]
-    columns = torch.full((L, T, K), -1, dtype=torch.long)  # [L, T, K] node index, -1 for padding
+    decoders = torch.zeros(L, T, K, D, dtype=dtype, device=device)  # [L, T, K, D]
+    columns = torch.full((L, T, K), -1, dtype=torch.long, device=device)  # [L, T, K] node index, -1 for padding
     for layer, w in enumerate(where):
-        slot = torch.cat([torch.arange(int(c)) for c in active[layer].sum(-1)]) if len(w) else torch.empty(0).long()
+        slot = torch.cat([torch.arange(int(c), device=device) for c in active[layer].sum(-1)])  # [n_l] place in cell
         vectors = values[layer][w[:, 0], w[:, 1], None] * transcoders[layer].W_dec.to(dtype)[w[:, 1]]  # [n_l, D]
         decoders[layer, w[:, 0], slot] = vectors
-        columns[layer, w[:, 0], slot] = starts[layer] + torch.arange(len(w))
+        columns[layer, w[:, 0], slot] = starts[layer] + torch.arange(len(w), device=device)
     b_dec = torch.stack([tc.b_dec.to(dtype) for tc in transcoders])  # [L, D]
 
-    adjacency = torch.zeros(n, n, dtype=dtype)
-    bias = torch.zeros(n, dtype=dtype)
-    pre_activation = torch.full((n,), float("nan"), dtype=dtype)
+    adjacency = torch.zeros(n, n, dtype=dtype, device=device)  # computed where the model is, kept on the CPU
+    bias = torch.zeros(n, dtype=dtype, device=device)
+    pre_activation = torch.full((n,), float("nan"), dtype=dtype, device=device)
 
     def fill_rows(nodes: torch.Tensor, slot: int, positions: torch.Tensor, vectors: torch.Tensor) -> None:
         """Incoming edges and bias of ``nodes`` [B], each reading u . reads[slot, position]."""
@@ -520,14 +522,15 @@ def attribute(model: K2Model, transcoders: Sequence[nn.Module] | Mapping[int, nn
 
     for layer, w in enumerate(where):  # feature rows: u = the encoder's column
         encoder = transcoders[layer].W_enc.to(dtype)  # [D, F]
-        for chunk in torch.arange(len(w)).split(ROW_BATCH):
+        for chunk in torch.arange(len(w), device=device).split(ROW_BATCH):
             nodes = starts[layer] + chunk
             fill_rows(nodes, layer, w[chunk, 0], encoder[:, w[chunk, 1]].T)
             bias[nodes] += transcoders[layer].b_enc.to(dtype)[w[chunk, 1]]
             pre_activation[nodes] = values[layer][w[chunk, 0], w[chunk, 1]]
     unembed = model.lm_head.weight[target_spec.tokens].to(dtype)  # [1 or 2, D]
     direction = unembed[0] - unembed[1] if len(unembed) == 2 else unembed[0]
-    fill_rows(torch.tensor([target_node]), L, torch.tensor([target_spec.position]), direction[None])
+    fill_rows(torch.tensor([target_node], device=device), L, torch.tensor([target_spec.position], device=device),
+              direction[None])
     pre_activation[target_node] = target_spec.value
 
     router_layers = moe_layers(model)
@@ -535,9 +538,9 @@ def attribute(model: K2Model, transcoders: Sequence[nn.Module] | Mapping[int, nn
                                                      rows, n)
     graph = AttributionGraph(
         token_ids=ids[0].tolist(), tokens=_pieces(model, ids[0]), target=target_spec, kind=kind, layer=layer_of,
-        position=position_of, feature=feature_of, activation=activation, adjacency=adjacency, bias=bias,
-        pre_activation=pre_activation, router_read=router_read, router_layers=router_layers,
-        router_completeness=router_completeness)
+        position=position_of, feature=feature_of, activation=activation.cpu(), adjacency=adjacency.cpu(),
+        bias=bias.cpu(), pre_activation=pre_activation.cpu(), router_read=router_read.cpu(),
+        router_layers=router_layers, router_completeness=router_completeness)
     return prune(graph, node_threshold, edge_threshold)
 
 
@@ -549,19 +552,19 @@ def _router_reads(model: K2Model, replacement: LocalReplacement, router_layers: 
     incoming effects, decoder biases included, against the real forward's)."""
     T, dtype = sources.shape[1], sources.dtype
     E = model.config.n_routed_experts
-    read = torch.full((n, len(router_layers), E), float("nan"), dtype=dtype)
+    read = torch.full((n, len(router_layers), E), float("nan"), dtype=dtype, device=sources.device)
     worst = 0.0
     per_batch = max(1, ROW_BATCH // E)  # positions per batch of rows
     for j, m in enumerate(router_layers):
         gate = model.layers[m].mlp.gate.weight.to(dtype)  # [E, D]
         real = rows[f"layers.{m}.mlp.gate.hook_logits"]  # [T, E]
-        for positions in torch.arange(T).split(per_batch):
+        for positions in torch.arange(T, device=sources.device).split(per_batch):
             P = len(positions)
             grads = replacement.read_gradients(m, positions.repeat_interleave(E), gate.repeat(P, 1))
             grads = grads.view(P, E, m + 1, T, -1)  # [P, E, m + 1, T, D]
             total = torch.einsum("pestd,std->pe", grads, sources[:m + 1])  # [P, E] every source's effect, summed
             worst = max(worst, (total - real[positions]).abs().max().item())
-            own = grads[torch.arange(P), :, :, positions]  # [P, E, m + 1, D] at the rows' own position
+            own = grads[torch.arange(P, device=grads.device), :, :, positions]  # [P, E, m + 1, D] own position
             for source in range(m):
                 effect = torch.einsum("ped,pkd->pke", own[:, :, 1 + source], decoders[source, positions])  # [P,K,E]
                 valid = columns[source, positions] >= 0  # [P, K]
@@ -591,32 +594,41 @@ def _pieces(model: K2Model, ids: torch.Tensor) -> list[str]:
 # ---- the graph against the real model ------------------------------------------------------------------------------
 @dataclass
 class AblationCheck:
-    """Feature nodes zeroed in the real model (each alone, then all together), the target's change against what
-    the graph predicts (minus each node's ``total_effect``; the sum of them for all together)."""
+    """Feature nodes zeroed in the real model (each alone, then all together), the target's change against two
+    predictions of the graph: minus the node's direct edge into the target, and minus its ``total_effect`` (every
+    path, the features downstream answering linearly; for all together, the sum)."""
 
     nodes: list[int]
     labels: list[str]
-    predicted: torch.Tensor  # [N] change of the target, by the graph
+    predicted_direct: torch.Tensor  # [N] change of the target: the direct edge only
+    predicted_total: torch.Tensor  # [N] change of the target: through the whole graph, linearly
     measured: torch.Tensor  # [N] change of the target, in the real model
-    joint_predicted: float
+    joint_predicted: float  # all N zeroed together: the sum of the total effects
     joint_measured: float
 
-    @property
-    def sign_agreement(self) -> float:
-        """The share of the nodes whose measured change has the predicted sign."""
-        return (torch.sign(self.predicted) == torch.sign(self.measured)).float().mean().item()
+    def sign_agreement(self, prediction: str = "total") -> float:
+        """The share of the nodes whose measured change has the predicted sign (``prediction``: "total" or
+        "direct")."""
+        return (torch.sign(self._prediction(prediction)) == torch.sign(self.measured)).float().mean().item()
 
-    @property
-    def correlation(self) -> float:
-        """Pearson's r between predicted and measured changes over the nodes (NaN for fewer than 2)."""
+    def correlation(self, prediction: str = "total") -> float:
+        """Pearson's r between predicted (``prediction``: "total" or "direct") and measured changes over the nodes
+        (NaN for fewer than 2)."""
         if len(self.nodes) < 2:
             return float("nan")
-        return torch.corrcoef(torch.stack([self.predicted, self.measured]).double())[0, 1].item()
+        return torch.corrcoef(torch.stack([self._prediction(prediction), self.measured]).double())[0, 1].item()
+
+    def _prediction(self, which: str) -> torch.Tensor:
+        if which not in ("total", "direct"):
+            raise ValueError(f"prediction must be 'total' or 'direct', got {which!r}")
+        return self.predicted_total if which == "total" else self.predicted_direct
 
     def __str__(self) -> str:
-        return (f"{len(self.nodes)} features zeroed one at a time: measured change has the graph's sign for "
-                f"{self.sign_agreement:.0%}, r = {self.correlation:.2f}; all together: predicted "
-                f"{self.joint_predicted:+.3f}, measured {self.joint_measured:+.3f}")
+        return (f"{len(self.nodes)} features zeroed one at a time, the measured change against the graph's "
+                f"prediction: total effect: same sign for {self.sign_agreement('total'):.0%}, r = "
+                f"{self.correlation('total'):.2f}; direct edge: same sign for {self.sign_agreement('direct'):.0%}, "
+                f"r = {self.correlation('direct'):.2f}. All together: predicted {self.joint_predicted:+.2f}, "
+                f"measured {self.joint_measured:+.2f}")
 
 
 @torch.no_grad()
@@ -655,16 +667,19 @@ def ablate_features(model: K2Model, transcoders: Sequence[nn.Module] | Mapping[i
 def check_by_ablation(model: K2Model, transcoders: Sequence[nn.Module] | Mapping[int, nn.Module],
                       graph: AttributionGraph, n: int = 10) -> AblationCheck:
     """Zero the ``n`` kept features of largest influence in the real model (``ablate_features``), each alone and
-    then all together, and hold the target's change against the graph's prediction (``total_effect``)."""
+    then all together, and hold the target's change against the graph's predictions (the direct edge, and
+    ``total_effect``). The total effect treats every downstream feature as linear; a feature pushed below zero stops
+    at zero (ReLU) or leaves the top k, so the total effect of an early feature overstates what zeroing it does."""
     nodes = graph.top_features(n)
     if not nodes:
         raise ValueError("the pruned graph keeps no feature node: nothing to ablate")
     effect = graph.total_effect()
+    target = int((graph.kind == TARGET).nonzero()[0])
     clean = graph.target.value
     measured = torch.tensor([ablate_features(model, transcoders, graph, [node]) - clean for node in nodes])
     joint = ablate_features(model, transcoders, graph, nodes) - clean
-    return AblationCheck(nodes, [graph.label(node) for node in nodes], -effect[nodes].float(), measured.float(),
-                         -effect[nodes].sum().item(), joint)
+    return AblationCheck(nodes, [graph.label(node) for node in nodes], -graph.adjacency[target, nodes].float(),
+                         -effect[nodes].float(), measured.float(), -effect[nodes].sum().item(), joint)
 
 
 @torch.no_grad()
@@ -675,6 +690,7 @@ def top_activations(model: K2Model, transcoders: Sequence[nn.Module] | Mapping[i
     feature is most active, each the ``context`` tokens before and the token itself in brackets, with its
     activation: ``'...return x + [y] (3.2)'``. What the figure's hover shows."""
     from .datasets import batches
+    from .features import record_probes
 
     transcoders = _transcoder_list(model, transcoders)
     wanted = sorted({(int(graph.layer[i]), int(graph.feature[i]))
@@ -685,7 +701,7 @@ def top_activations(model: K2Model, transcoders: Sequence[nn.Module] | Mapping[i
     best: dict[tuple[int, int], list[tuple[float, list[int], int]]] = {key: [] for key in wanted}
     names = [f"layers.{layer}.post_attention_layernorm.hook_out" for layer in layers]
     for ids, mask in batches(model, list(texts), max_len=max_len, padding_side="right", progress=False):
-        _, cache = model.run_with_cache(ids, names=names, attention_mask=mask)
+        cache = record_probes(model, ids, names, attention_mask=mask)  # the forward stops after the last block read
         for layer, name in zip(layers, names, strict=True):
             tc = transcoders[layer]
             features = tc.encode(cache[name].to(tc.W_enc.dtype)).float()  # [B, T, F]

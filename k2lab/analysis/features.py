@@ -510,49 +510,65 @@ def routing_effect(model: K2Model, dictionary: nn.Module, features: int | Sequen
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
     probe = _probe_of(dictionary, probe)
-    texts = list(texts)
-    clean = trace_features(model, dictionary, texts, probe, batch_size, max_len, progress)
-    F = clean.features.shape[-1]
-    chosen = [int(f) for f in ([features] if isinstance(features, int) else features)]
-    if not chosen or any(not 0 <= f < F for f in chosen) or len(set(chosen)) != len(chosen):
-        raise ValueError(f"features must be distinct feature indices in 0..{F - 1}, got {features!r}")
     layers = reachable_moe_layers(model, _probe_pair(model, probe)[1])
     if not layers:
         raise ValueError(f"no MoE router reads what {probe} writes: no routing to measure")
-    real = clean.routing.real_tokens()  # [B, T]
-    active = (clean.features > 0) & real[..., None]  # [B, T, F]
+    # Tokenized once; every run below goes over the same batches, each forward stopped after the last router.
+    texts = list(texts)
+    runs = list(batches(model, texts, batch_size, max_len, padding_side="right", progress=progress))
+    routers = [f"layers.{layer}.mlp.gate.{leaf}" for layer in layers for leaf in ("hook_topk_idx", "hook_topk_weights")]
+
+    def routing_run(edit: Callable | None = None, keep_features: bool = False) -> tuple[torch.Tensor, ...]:
+        """Over every batch, with the dictionary spliced in (error kept) and ``edit`` on its features: the chosen
+        experts and weights [L, B, T, k] of the reachable layers, and the features [B, T, F] when asked for."""
+        parts = []
+        with splice(model, probe, dictionary, keep_error=True) as point:
+            names = [point.name, *routers] if keep_features else routers
+            with model.hooks(fwd_hooks=[(point.name, edit)] if edit is not None else []):
+                for ids, mask in runs:
+                    parts.append(record_probes(model, ids, names, attention_mask=mask))
+        T = max(ids.shape[1] for ids, _ in runs)
+
+        def joined(name: str) -> torch.Tensor:  # [B, T, ...] over every batch, padded on the right to T
+            return torch.cat([nn.functional.pad(part[name], [0, 0] * (part[name].dim() - 2) +
+                                                [0, T - part[name].shape[1]]) for part in parts])
+
+        idx = torch.stack([joined(name) for name in routers[0::2]])  # [L, B, T, k]
+        weights = torch.stack([joined(name) for name in routers[1::2]]).float()
+        return (idx, weights, joined(point.name).float()) if keep_features else (idx, weights)
+
+    clean_idx, clean_weights, clean_features = routing_run(keep_features=True)
+    real = torch.cat([nn.functional.pad(mask.bool(), [0, clean_idx.shape[2] - mask.shape[1]]) for _, mask in runs])
+    F = clean_features.shape[-1]
+    chosen = [int(f) for f in ([features] if isinstance(features, int) else features)]
+    if not chosen or any(not 0 <= f < F for f in chosen) or len(set(chosen)) != len(chosen):
+        raise ValueError(f"features must be distinct feature indices in 0..{F - 1}, got {features!r}")
+    active = (clean_features > 0) & real[..., None]  # [B, T, F]
     counts = active.flatten(0, 1).sum(0)  # [F]
     silent = [f for f in chosen if counts[f] == 0]
     if silent:
         raise ValueError(f"features {silent} are never active on these texts: no token to measure them on")
-    mean_activation = clean.features.flatten(0, 1).sum(0) / counts.clamp(min=1)  # [F]
+    mean_activation = (clean_features * active).flatten(0, 1).sum(0) / counts.clamp(min=1)  # [F]
     control_sets = _matched_controls(counts, chosen, num_controls)
-    rows = [clean.routing.row(layer) for layer in layers]
-    E = model.config.n_routed_experts
+    E, k = model.config.n_routed_experts, clean_idx.shape[-1]
 
     def per_text(group: list[int]) -> tuple[torch.Tensor, ...]:
         """Per text (float64, CPU): tokens [S], change of choices [S, L, E], of weights [S, L, E], moved [S, L]."""
-        delta = torch.zeros(F, device=clean.features.device)
-        delta[group] = 0.0 if mode == "ablate" else scale * mean_activation[group]
+        added = scale * mean_activation[group] if mode == "steer" else None  # [len(group)]
 
         def intervene(f: torch.Tensor, hook) -> torch.Tensor:  # f [b, T, F]
             on = f[..., group] > 0
             edited = f.clone()
-            edited[..., group] = torch.where(on, 0.0 if mode == "ablate" else f[..., group] + delta[group],
-                                             f[..., group])
+            new = torch.zeros_like(f[..., group]) if added is None else f[..., group] + added
+            edited[..., group] = torch.where(on, new, f[..., group])
             return edited
 
-        with splice(model, probe, dictionary, keep_error=True) as point, \
-                model.hooks(fwd_hooks=[(point.name, intervene)]):
-            after = routing.RoutingTrace.concat([
-                routing.trace(model, ids, attention_mask=mask)
-                for ids, mask in batches(model, texts, batch_size, max_len, padding_side="right", progress=False)])
+        idx, weights = routing_run(intervene)
         on = active[..., group].any(-1)  # [B, T] the group's tokens
-        k = clean.routing.indices.shape[-1]
-        before_c, after_c = (torch.zeros(len(rows), *on.shape, E, device=on.device).scatter_(
-            -1, tr.indices[rows], 1.0) for tr in (clean.routing, after))  # [L, B, T, E]
-        before_w, after_w = (torch.zeros(len(rows), *on.shape, E, device=on.device).scatter_add_(
-            -1, tr.indices[rows], tr.weights[rows].float()) for tr in (clean.routing, after))
+        before_c, after_c = (torch.zeros(*i.shape[:-1], E, device=on.device).scatter_(-1, i, 1.0)
+                             for i in (clean_idx, idx))  # [L, B, T, E]
+        before_w, after_w = (torch.zeros(*i.shape[:-1], E, device=on.device).scatter_add_(-1, i, w)
+                             for i, w in ((clean_idx, clean_weights), (idx, weights)))
         mask = on[None, :, :, None].float()
         d_choice = ((after_c - before_c) * mask).sum(2)  # [L, B, E]
         d_weight = ((after_w - before_w) * mask).sum(2)
@@ -581,6 +597,29 @@ def routing_effect(model: K2Model, dictionary: nn.Module, features: int | Sequen
         moved_ci=interval(boot[2]), control_moved=control_point.float(),
         excess=(point[2][0] - control_point.mean(0)).float(), excess_ci=interval(boot[2] - control_boot),
         confidence=confidence)
+
+
+def record_probes(model: K2Model, ids: torch.Tensor, names: Sequence[str], **forward_kwargs) -> dict[str, torch.Tensor]:
+    """The activations of the probes ``names`` in one forward of ``ids``, which stops as soon as the last of them
+    has fired: later blocks and the head are not run (the cheap way to read early probes over a corpus)."""
+    from .dictionary import _StopForward
+
+    wanted, recorded = set(names), {}
+
+    def record(activation: torch.Tensor, hook: HookPoint) -> None:
+        recorded[hook.name] = activation.detach()
+        if wanted <= recorded.keys():
+            raise _StopForward
+
+    with model.hooks(fwd_hooks=[(list(names), record)]):
+        try:
+            model(ids, **forward_kwargs)
+        except _StopForward:
+            pass
+    missing = sorted(wanted - recorded.keys())
+    if missing:
+        raise RuntimeError(f"record_probes: the probes {missing} did not fire in the forward")
+    return recorded
 
 
 def _matched_controls(counts: torch.Tensor, features: list[int], num_controls: int) -> list[list[int]]:

@@ -11,7 +11,19 @@ import plotly.graph_objects as go
 import torch
 
 from ..analysis.circuits import EMBEDDING, ERROR, FEATURE, TARGET, AttributionGraph
-from .style import DIVERGING, GREY, NEGATIVE, POSITIVE, RED, data, finish, same_length, show_whitespace
+from .style import (
+    DIVERGING,
+    GREY,
+    LIGHT_SEQUENTIAL,
+    NEGATIVE,
+    POSITIVE,
+    RED,
+    data,
+    finish,
+    same_length,
+    show_whitespace,
+    token_labels,
+)
 
 WIDTH_BINS = 6  # edge widths are drawn in this many steps (plotly gives one width per trace)
 MAX_WIDTH = 7.0  # the heaviest kept edge, in pixels
@@ -20,10 +32,14 @@ _MARKERS = {EMBEDDING: ("square", "#555555"), FEATURE: ("circle", POSITIVE), ERR
 _KIND_NAMES = {EMBEDDING: "embedding", FEATURE: "feature", ERROR: "error", TARGET: "target"}
 
 
+PER_ROW = 8  # nodes side by side in one (block, position) cell before another line of them starts
+
+
 def node_positions(graph: AttributionGraph) -> tuple[np.ndarray, np.ndarray]:
     """(x [n], y [n]) of the graph's nodes: x the token position, the kept nodes of one (layer, position) cell spread
-    across the cell's width in order of influence (errors last); y the row: 0 for the embeddings, 1 + l for block l,
-    L + 2 for the target (NaN for pruned nodes)."""
+    across the cell's width in order of influence (errors last), ``PER_ROW`` to a line, the lines stacked within
+    +-0.25 of the row; y the row: 0 for the embeddings, 1 + l for block l, L + 1 for the target (NaN for pruned
+    nodes)."""
     n = graph.num_nodes
     x, y = np.full(n, np.nan), np.full(n, np.nan)
     kept = graph.node_mask.numpy()
@@ -32,14 +48,25 @@ def node_positions(graph: AttributionGraph) -> tuple[np.ndarray, np.ndarray]:
     cells: dict[tuple[int, int], list[int]] = {}
     for node in np.flatnonzero(kept):
         cells.setdefault((int(layer[node]), int(position[node])), []).append(int(node))
-    top_row = int(layer.max()) + 1  # the target's layer is L: its row is L + 1, above block L - 1's
     for (row, column), members in cells.items():
         members.sort(key=lambda node: (kind[node] == ERROR, -influence[node]))
-        offsets = np.linspace(-0.35, 0.35, len(members)) if len(members) > 1 else np.zeros(1)
-        for node, offset in zip(members, offsets, strict=True):
-            x[node] = column + offset
-            y[node] = top_row if kind[node] == TARGET else row + 1
+        lines = [members[i:i + PER_ROW] for i in range(0, len(members), PER_ROW)]
+        heights = np.linspace(-0.25, 0.25, len(lines)) if len(lines) > 1 else np.zeros(1)
+        for line, height in zip(lines, heights, strict=True):
+            offsets = np.linspace(-0.38, 0.38, len(line)) if len(line) > 1 else np.zeros(1)
+            for node, offset in zip(line, offsets, strict=True):
+                x[node] = column + offset
+                y[node] = row + 1 + height  # embeddings (layer -1) on row 0, block l on l + 1, the target on L + 1
     return x, y
+
+
+def edge_scores(graph: AttributionGraph) -> torch.Tensor:
+    """[n, n] each edge's share of its target node's incoming |edges| times that node's influence on the target (1
+    for the target itself): the score Ameisen et al. prune edges by, here to choose the edges worth drawing."""
+    A = graph.adjacency.abs()
+    share = A / A.sum(1, keepdim=True).clamp(min=1e-30)
+    weight = graph.influence.to(A.dtype) + (graph.kind == TARGET).to(A.dtype)
+    return share * weight[:, None]
 
 
 def _router_text(graph: AttributionGraph, node: int, top: int = 2) -> str:
@@ -76,20 +103,24 @@ def _hover(graph: AttributionGraph, node: int, top_tokens: Mapping[tuple[int, in
 
 
 def circuit_figure(graph: AttributionGraph, top_tokens: Mapping[tuple[int, int], Sequence[str]] | None = None,
-                   title: str = "") -> go.Figure:
+                   title: str = "", max_edges: int = 250) -> go.Figure:
     """The pruned graph: embeddings (squares) at the bottom, each block's features (circles, area by influence) and
-    errors (grey diamonds) in its row, the target (star) on top, over the prompt's token positions. Kept edges are
-    lines, blue where the source pushes its target up, red where down, their width proportional to |weight| (in
-    ``WIDTH_BINS`` steps up to the heaviest kept edge). Hovering a feature shows its activation, influence, top
-    contexts (``top_tokens``: {(layer, feature): [context, ...]}, from ``circuits.top_activations``) and router
-    read."""
+    errors (grey diamonds) in its row, the target (star) on top, over the prompt's token positions. Of the kept edges,
+    the ``max_edges`` of largest score (``edge_scores``) are drawn, blue where the source pushes its target up, red
+    where down, their width proportional to |weight| (in ``WIDTH_BINS`` steps up to the heaviest drawn). Hovering a
+    feature shows its activation, influence, top contexts (``top_tokens``: {(layer, feature): [context, ...]}, from
+    ``circuits.top_activations``) and router read."""
     if not isinstance(graph, AttributionGraph):
         raise TypeError(f"graph must be a k2lab.circuits.AttributionGraph, got {type(graph).__name__}")
     if graph.node_mask is None or not bool(graph.node_mask.any()):
         raise ValueError("graph has no kept node: prune it (circuits.prune) before drawing it")
     top_tokens = top_tokens or {}
     x, y = node_positions(graph)
-    edges = (graph.edge_mask & graph.node_mask[:, None] & graph.node_mask[None, :]).nonzero().numpy()  # [m, 2]
+    if isinstance(max_edges, bool) or not isinstance(max_edges, int) or max_edges < 0:
+        raise ValueError(f"max_edges must be a non-negative int, got {max_edges!r}")
+    kept_edges = (graph.edge_mask & graph.node_mask[:, None] & graph.node_mask[None, :]).nonzero()  # [m, 2]
+    scores = edge_scores(graph)[kept_edges[:, 0], kept_edges[:, 1]]
+    edges = kept_edges[scores.argsort(descending=True)[:max_edges]].numpy()  # [drawn, 2] (target, source)
     weights = graph.adjacency[edges[:, 0], edges[:, 1]].double().numpy() if len(edges) else np.zeros(0)
     fig = go.Figure()
     heaviest = float(np.abs(weights).max()) if len(weights) else 1.0
@@ -116,23 +147,27 @@ def circuit_figure(graph: AttributionGraph, top_tokens: Mapping[tuple[int, int],
         size = 9 + 17 * np.sqrt(np.clip(influence[nodes] / largest, 0, 1)) if kind == FEATURE else \
             np.full(len(nodes), 18 if kind == TARGET else 10)
         fig.add_trace(go.Scatter(
-            x=x[nodes], y=y[nodes], mode="markers", name=f"{_KIND_NAMES[kind]}s ({len(nodes)})",
+            x=x[nodes], y=y[nodes], mode="markers",
+            name=_KIND_NAMES[kind] if kind == TARGET else f"{_KIND_NAMES[kind]}s ({len(nodes)})",
             marker=dict(symbol=symbol, color=colour, size=size, line=dict(color="white", width=1)),
             text=[_hover(graph, int(node), top_tokens) for node in nodes],
             hovertemplate="%{text}<extra></extra>"))
     L = int(graph.layer.max())
-    rows = ["embeddings", *(f"block {layer}" for layer in range(L)), graph.target.label]
-    fig.update_yaxes(tickvals=list(range(L + 2)), ticktext=rows, range=[-0.6, L + 1.6], title_text="layer",
+    rows = ["embeddings", *(f"block {layer}" for layer in range(L)), "target"]
+    fig.update_yaxes(tickvals=list(range(L + 2)), ticktext=rows, range=[-0.5, L + 1.5], title_text="",
                      zeroline=False, showgrid=False)
     T = len(graph.tokens)
     fig.update_xaxes(tickvals=list(range(T)), ticktext=[f"{t}:{show_whitespace(piece)}" for t, piece in
                                                           enumerate(graph.tokens)],
                      tickangle=-60, range=[-0.6, T - 0.4], title_text="position", showgrid=False, zeroline=False)
     summary = graph.summary()
-    title = title or (f"Attribution graph of {graph.target.label} at position {graph.target.position}: "
-                      f"{summary['kept_features']} of {summary['features']} features, {summary['kept_edges']:,} "
-                      f"of {summary['edges']:,} edges kept")
-    return finish(fig, title, height=170 + 80 * (L + 2), width=max(800, 60 + 42 * T), legend=True)
+    title = title or (f"Attribution graph of {graph.target.label} at position {graph.target.position}<br>"
+                      f"<sup>{summary['kept_features']:,} of {summary['features']:,} features kept; the "
+                      f"{len(edges):,} strongest of {summary['kept_edges']:,} kept edges drawn (of "
+                      f"{summary['edges']:,})</sup>")
+    fig = finish(fig, title, height=200 + 90 * (L + 2), width=max(900, 160 + 70 * T), legend=True)
+    fig.update_layout(margin=dict(t=110), legend=dict(y=1.02))
+    return fig
 
 
 def router_read_figure(read: torch.Tensor, labels: Sequence[str], experts: Sequence[int] | None = None,
@@ -150,3 +185,51 @@ def router_read_figure(read: torch.Tensor, labels: Sequence[str], experts: Seque
     fig.update_xaxes(title_text=x_title, dtick=1 if len(columns) <= 40 else None, type="category")
     fig.update_yaxes(autorange="reversed", type="category")
     return finish(fig, title, height=150 + 28 * len(labels), legend=False)
+
+
+def prediction_figure(predicted: Mapping[str, torch.Tensor], measured: torch.Tensor, labels: Sequence[str],
+                      title: str = "", x_title: str = "predicted change of the target",
+                      y_title: str = "measured change") -> go.Figure:
+    """Predictions against measurements, one point per intervention (``labels``), one series per kind of prediction
+    (``predicted``: {name: [N]}), with the diagonal where they would agree; both axes share one range, fitted to all
+    the points."""
+    if not hasattr(predicted, "items") or not predicted:
+        raise ValueError("predicted must be a non-empty mapping {name: [N] predictions}")
+    y = data(measured, "measured", 1)
+    same_length(y, labels, "measured", "labels")
+    fig = go.Figure()
+    extent = float(np.abs(y).max())
+    for (name, values), colour in zip(predicted.items(), (POSITIVE, "#ff7f0e", GREY), strict=False):
+        x = data(values, f"predicted[{name!r}]", 1)
+        same_length(x, labels, f"predicted[{name!r}]", "labels")
+        extent = max(extent, float(np.abs(x).max()))
+        fig.add_trace(go.Scatter(x=x, y=y, mode="markers", name=name, text=list(labels),
+                                 marker=dict(color=colour, size=9, line=dict(color="white", width=1)),
+                                 hovertemplate=f"%{{text}}<br>{name}: %{{x:+.3f}}, measured %{{y:+.3f}}"
+                                               "<extra></extra>"))
+    bound = 1.08 * (extent or 1.0)
+    fig.add_trace(go.Scatter(x=[-bound, bound], y=[-bound, bound], mode="lines", name="agreement",
+                             line=dict(color="#444", dash="dash", width=1), hoverinfo="skip"))
+    fig.update_xaxes(title_text=x_title, range=[-bound, bound], zeroline=True, zerolinecolor="#bbb")
+    fig.update_yaxes(title_text=y_title, range=[-bound, bound], zeroline=True, zerolinecolor="#bbb")
+    return finish(fig, title, height=560, width=640, legend=True)
+
+
+def influence_heatmap(graph: AttributionGraph, title: str = "") -> go.Figure:
+    """The kept nodes' influence on the target summed per (row, position): the embeddings and each block (its
+    features and its error), on a light sequential scale from 0 to the largest cell."""
+    if not isinstance(graph, AttributionGraph):
+        raise TypeError(f"graph must be a k2lab.circuits.AttributionGraph, got {type(graph).__name__}")
+    L, T = int(graph.layer.max()), len(graph.tokens)
+    z = np.zeros((L + 1, T))  # [embeddings + blocks, T]
+    kept = (graph.node_mask & (graph.kind != TARGET)).numpy()
+    np.add.at(z, (graph.layer.numpy()[kept] + 1, graph.position.numpy()[kept]), graph.influence.double().numpy()[kept])
+    rows = ["embeddings", *(f"block {layer}" for layer in range(L))]
+    fig = go.Figure(go.Heatmap(z=z, x=token_labels(graph.tokens), y=rows, colorscale=LIGHT_SEQUENTIAL, zmin=0,
+                               zmax=max(float(z.max()), 1e-9), xgap=1, ygap=1, colorbar=dict(title="influence"),
+                               hovertemplate="%{y}, %{x}<br>influence %{z:.3f}<extra></extra>"))
+    fig.update_xaxes(title_text="position", tickangle=-45)
+    fig.update_yaxes(autorange="reversed")
+    title = title or f"Influence on {graph.target.label}, kept nodes summed by block and position"
+    return finish(fig, title, height=150 + 34 * (L + 1), legend=False)
+

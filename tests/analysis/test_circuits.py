@@ -193,10 +193,14 @@ def test_every_node_of_a_real_graph_is_complete(nano_graph):
 def test_ablating_the_top_features_moves_the_target_the_graphs_way(nano, nano_graph):
     model, _ = nano
     transcoders, graph = nano_graph
-    check = circuits.check_by_ablation(model, transcoders, graph, n=10)
-    assert len(check.nodes) == 10
-    assert check.sign_agreement >= 0.8 and check.correlation >= 0.7, str(check)
-    assert check.joint_measured * check.joint_predicted > 0 and abs(check.joint_measured) > 0.1
+    check = circuits.check_by_ablation(model, transcoders, graph, n=20)
+    assert len(check.nodes) == 20
+    # measured on this prompt (one thread): total effect same sign 95%, r 0.61; direct edge same sign 90%, r 0.87
+    assert check.sign_agreement("total") >= 0.8 and check.sign_agreement("direct") >= 0.8, str(check)
+    assert check.correlation("direct") >= 0.7 and check.correlation("total") >= 0.4, str(check)
+    assert check.joint_measured * check.joint_predicted > 0 and abs(check.joint_measured) > 1.0
+    with pytest.raises(ValueError, match="prediction must be 'total' or 'direct'"):
+        check.correlation("both")
 
 
 def test_pruning_keeps_the_stated_share_of_influence(nano_graph):
@@ -275,7 +279,7 @@ def test_attribute_refuses_what_it_cannot_explain():
 def test_a_multi_token_target_is_refused_by_name(nano):
     model, _ = nano
     transcoders = circuits.nano_transcoders()
-    with pytest.raises(ValueError, match=r"target 'hello world' is 2 tokens"):
+    with pytest.raises(ValueError, match=r"target 'hello world' is 5 tokens \['he', 'l'"):
         circuits.attribute(model, transcoders, "x = 1", target="hello world")
 
 
