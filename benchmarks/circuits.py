@@ -22,8 +22,8 @@ import k2lab
 from benchmarks.timing import alternate_threads
 from k2lab import circuits
 
-# 30 tokens of K2-nano's tokenizer: the graph explains the top prediction after them.
-PROMPT = "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n"
+# 30 tokens of K2-nano's tokenizer; the graph explains the top prediction after them (`10`, copied from range(10)).
+PROMPT = "for i in range(10):\n    if i % 2:\n        print(i)\n\nresult = [x * 2 for x in range("
 TOKENS = 30
 # Notebook 12's behaviour: which quote closes the string (logit of `",` minus that of `',`).
 FIGURE_PROMPT, FIGURE_TARGET = 'x = ["a", "b', ('",', "',")

@@ -195,7 +195,7 @@ def test_ablating_the_top_features_moves_the_target_the_graphs_way(nano, nano_gr
     transcoders, graph = nano_graph
     check = circuits.check_by_ablation(model, transcoders, graph, n=20)
     assert len(check.nodes) == 20
-    # measured on this prompt (one thread): total effect same sign 95%, r 0.61; direct edge same sign 90%, r 0.87
+    # measured on this prompt (one thread): total effect same sign 95%, r 0.65; direct edge same sign 90%, r 0.87
     assert check.sign_agreement("total") >= 0.8 and check.sign_agreement("direct") >= 0.8, str(check)
     assert check.correlation("direct") >= 0.7 and check.correlation("total") >= 0.4, str(check)
     assert check.joint_measured * check.joint_predicted > 0 and abs(check.joint_measured) > 1.0
