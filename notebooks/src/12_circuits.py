@@ -295,7 +295,7 @@ for expert in effect.rate_change[row].abs().topk(3).indices.tolist():
 # %% [markdown]
 # ## Exercises
 #
-# ### Exercise 1 ★ · Change a knob: how much of the graph is needed?
+# ### Exercise 1 ★ · Predict, then run: how much of the graph is needed?
 #
 # Prune the same graph at node thresholds 0.5 and 0.95 (`circuits.prune(graph, node_threshold=...)`), and count the
 # kept features each time. Predict first: does keeping 95% of the influence take about twice the features of 50%,
