@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -223,9 +223,9 @@ class AttributionGraph:
     # position (NaN for other nodes and for MoE layers at or before the feature's)
     router_layers: list[int]  # the MoE layers of router_read's second axis
     router_completeness: float  # the largest |sum of incoming effects + bias - real router logit| over every router
-    influence: torch.Tensor = field(default=None)  # [n] on the target, through the whole graph
-    node_mask: torch.Tensor = field(default=None)  # [n] bool, kept after pruning
-    edge_mask: torch.Tensor = field(default=None)  # [n, n] bool, kept after pruning
+    influence: torch.Tensor | None = None  # [n] on the target, through the whole graph (set by prune)
+    node_mask: torch.Tensor | None = None  # [n] bool, kept after pruning
+    edge_mask: torch.Tensor | None = None  # [n, n] bool, kept after pruning
     node_threshold: float = 0.8
     edge_threshold: float = 0.98
 

@@ -440,6 +440,8 @@ def router_read(model: K2Model, dictionary: nn.Module, layer: int, probe: ProbeS
     if not (name == "embed_tokens.hook_out" or (name.startswith("layers.") and leaf in _RESIDUAL_WRITES)):
         raise ValueError(f"router_read needs a dictionary that writes the residual stream (the embeddings, "
                          f"hook_resid_pre/mid/post, hook_attn_out or hook_mlp_out); {name} is not added to it")
+    if layer not in moe_layers(model):
+        raise ValueError(f"layer {layer!r} has no router: the MoE layers are {moe_layers(model)}")
     if layer not in reachable_moe_layers(model, name):
         raise ValueError(f"layer {layer}'s router does not read what {name} writes: the MoE layers it reaches are "
                          f"{reachable_moe_layers(model, name)}")

@@ -109,6 +109,8 @@ def test_router_read_refuses_a_router_that_does_not_read_the_dictionary(nano):
     sae = dl.load_shipped("sae_nano_l3_resid_post")
     with pytest.raises(ValueError, match=r"the MoE layers it reaches are \[4, 5\]"):
         features.router_read(model, sae, 3)
+    with pytest.raises(ValueError, match=r"layer 0 has no router: the MoE layers are \[1, 2, 3, 4, 5\]"):
+        features.router_read(model, dl.load_shipped("transcoder_nano_l0_mlp"), 0)
     with pytest.raises(ValueError, match="writes the residual stream"):
         features.router_read(model, sae, 4, probe="layers.3.self_attn.hook_kv_latent")
     transcoder = dl.load_shipped("transcoder_nano_l3_moe")
