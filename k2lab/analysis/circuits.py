@@ -2,7 +2,7 @@
 Revealing Computational Graphs in Language Models") for K2, whose feed-forward blocks are mixtures of experts.
 
     transcoders = circuits.nano_transcoders()                    # one per FFN of K2-nano: block 0's MLP, 1-5's MoE
-    graph = circuits.attribute(model, transcoders, 'x = ["a", "b', target=('"', "'"))   # logit of " minus of '
+    graph = circuits.attribute(model, transcoders, 'x = ["a", "b', target=('",', "',"))  # logit difference
     graph.summary()                    # nodes and edges before and after pruning, the completeness error
     check = circuits.check_by_ablation(model, transcoders, graph)          # the graph against the real model
     viz.circuit_figure(graph, circuits.top_activations(model, transcoders, graph, texts))
