@@ -37,6 +37,7 @@ _LAZY = {
     "weight_bytes": ("k2lab.analysis.accounting", "weight_bytes"),
     "interventions": ("k2lab.analysis.interventions", None),
     "routing": ("k2lab.analysis.routing", None),
+    "circuits": ("k2lab.analysis.circuits", None),
     "patching": ("k2lab.analysis.patching", None),
     "lab": ("k2lab.lab", None),
     "viz": ("k2lab.viz", None),  # plotly and ipywidgets load here, on first use
@@ -57,7 +58,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from .analysis import interventions, patching, routing
+    from .analysis import circuits, interventions, patching, routing
     from .analysis.accounting import count_parameters, kv_cache_bytes, weight_bytes
     from .lab.nano import load_nano
     from .model import K2Model, LatentCache, generate, get_act_name
@@ -65,7 +66,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .weights import load, plan
 
 __all__ = [
-    "K2Config", "K2Model", "K2Tokenizer", "LatentCache", "__version__", "count_parameters", "generate",
+    "K2Config", "K2Model", "K2Tokenizer", "LatentCache", "__version__", "circuits", "count_parameters", "generate",
     "get_act_name", "interventions", "kv_cache_bytes", "load", "load_nano", "load_tokenizer", "patching", "plan",
     "routing", "weight_bytes",
 ]

@@ -208,6 +208,37 @@ def load(path: str | Path) -> TopKDictionary:
     return dictionary
 
 
+def to_saelens(dictionary: TopKDictionary) -> nn.Module:
+    """The same dictionary as a SAELens module (needs sae-lens, the test extra): a TopK SAE as ``sae_lens.TopKSAE``,
+    a transcoder as ``sae_lens.Transcoder`` with its activation set to SAELens's own TopK(k); the metadata (probes,
+    model) goes with it. In memory both compute what k2lab's does, and SAELens's tools take them.
+
+    The limit: SAELens has no TopK transcoder architecture. What its ``save_model`` writes of a converted transcoder
+    says "transcoder", and SAELens loads that back as a ReLU transcoder, on which every positive pre-activation fires
+    (not only the top k). Keep transcoders in k2lab's folder (``save``; ``load`` reads it) and convert after loading.
+    A TopK SAE has no such limit: SAELens reads k2lab's folder as it is (``sae_lens.SAE.load_from_disk``)."""
+    if not isinstance(dictionary, TopKDictionary):
+        raise TypeError(f"to_saelens converts k2lab's TopKSAE and Transcoder, got {type(dictionary).__name__}")
+    try:
+        import sae_lens
+        from sae_lens.saes.sae import SAEMetadata
+        from sae_lens.saes.topk_sae import TopK
+    except ImportError as err:
+        raise ImportError("to_saelens needs sae-lens: pip install 'k2lab[test]' (or pip install sae-lens)") from err
+    dtype = str(dictionary.W_enc.dtype).removeprefix("torch.")
+    metadata = SAEMetadata(**dictionary.metadata)
+    if isinstance(dictionary, TopKSAE):
+        converted = sae_lens.TopKSAE(sae_lens.TopKSAEConfig(
+            d_in=dictionary.d_in, d_sae=dictionary.d_sae, k=dictionary.k, dtype=dtype, metadata=metadata))
+    else:
+        converted = sae_lens.Transcoder(sae_lens.TranscoderConfig(
+            d_in=dictionary.d_in, d_sae=dictionary.d_sae, d_out=dictionary.d_out, dtype=dtype,
+            apply_b_dec_to_input=False, metadata=metadata))
+        converted.activation_fn = TopK(dictionary.k)  # SAELens's TopK: ReLU of the k largest, the rest 0
+    converted.load_state_dict({name: p.detach().clone() for name, p in dictionary.named_parameters()})
+    return converted
+
+
 def shipped() -> list[str]:
     """The names of the dictionaries k2lab ships (folders ``sae_*`` and ``transcoder_*`` of k2lab/lab/assets)."""
     return sorted(p.name for p in ASSETS_DIR.iterdir()

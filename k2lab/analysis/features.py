@@ -5,6 +5,9 @@ over many experts? Three measurements, each against what chance gives.
     p = purity(ft.active(), ft.chosen(layer=4))      # per feature: the experts its tokens go to, against a shuffle
     info = information(ft.active(), ft.chosen(), ft.sequences(), layers=ft.routing.layers)   # per layer, with CIs
     attr = expert_attribution(model, transcoder, texts)   # per expert: the transcoder features its output lies along
+    read = router_read(model, sae, layer=4)          # [F, E]: W_gate (g * W_dec[f]), each feature's direct read
+    effect = routing_effect(model, sae, [353], texts)   # ablate (or steer) features, the routing change per layer,
+                                                        # against controls matched on frequency, with intervals
 
 Notation: N real tokens, F features, E routed experts, k chosen per token, L_moe MoE layers. A feature is *active*
 on a token when its activation is above 0; an expert is *chosen* by a token when it is among the token's k.
@@ -25,12 +28,17 @@ on a token when its activation is above 0; an expert is *chosen* by a token when
   is sum_t <a_f(t) W_dec[f], w_e(t) o_e(t)> / sum_t |w_e(t) o_e(t)|^2 over the tokens t routed to e: 1 when the
   feature's term is the expert's output, 0 when orthogonal to it; summed over features, the share of the expert's
   output the transcoder accounts for.
+- **Router read and routing effect**: what a feature *does* to the routing rather than what it co-occurs with. The
+  read is the linear part: adding a W_dec[f] to the residual a router reads moves expert e's logit by
+  a (W_gate (g * W_dec[f]))_e / rms(x). The effect is measured: zero (or steer) the feature on its tokens and count
+  how their choices and weights change at each later MoE layer, against features of the same frequency treated
+  alike, with bootstrap intervals over texts.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,7 +48,7 @@ from torch import nn
 from . import routing
 from .datasets import batches
 from .routing import RoutingTrace, bootstrap_interval, moe_layers, sequence_draws
-from .splicing import ProbeSpec, _probe_pair, splice
+from .splicing import ProbeSpec, _block_of, _probe_pair, splice
 
 if TYPE_CHECKING:
     from ..model.hooks import HookPoint
@@ -395,6 +403,247 @@ def expert_attribution(model: K2Model, transcoder: nn.Module, texts: Iterable[st
             totals = sums if totals is None else tuple(t + s for t, s in zip(totals, sums, strict=True))
     along, energy, pairs = totals
     return ExpertAttribution(layer, along / energy.clamp(min=1e-30)[:, None], pairs)
+
+
+# ---- features that steer the router --------------------------------------------------------------------------------
+# Probes of a block that fire before its router reads the residual stream: a dictionary written there reaches the
+# block's own router; one written anywhere else in a block reaches only later blocks' routers.
+_BEFORE_ROUTER = ("hook_resid_pre", "input_layernorm.", "self_attn.", "hook_attn_out", "hook_resid_mid",
+                  "post_attention_layernorm.")
+_RESIDUAL_WRITES = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out")
+
+
+def reachable_moe_layers(model: K2Model, probe: str) -> list[int]:
+    """The MoE layers whose router a dictionary spliced at ``probe`` (its write probe) can move: those whose router
+    reads the residual stream after the probe fires."""
+    name = _probe_pair(model, probe)[1]
+    block = _block_of(name, len(model.layers))
+    leaf = name.split(".", 2)[2] if name.startswith("layers.") else ""
+    first = block if leaf.startswith(_BEFORE_ROUTER) else block + 1
+    return [layer for layer in moe_layers(model) if layer >= first]
+
+
+def router_read(model: K2Model, dictionary: nn.Module, layer: int, probe: ProbeSpec | None = None) -> torch.Tensor:
+    """[F, E] the direct read of each feature by MoE layer ``layer``'s router: W_gate (g * W_dec[f]), with g the
+    layer's post-attention norm weight, from ``dictionary``'s decoder (W_dec [F, D]) written into the residual stream
+    at ``probe`` (default where it was trained; an SAE on the residual stream, or a transcoder of an earlier block's
+    feed-forward or attention output).
+
+    Read it per unit of the feature's activation and of the token's inverse rms: adding a * W_dec[f] to the residual
+    at a token whose residual x reaches the router unchanged (no attention or block in between) changes expert e's
+    router logit by a * read[f, e] / rms(x), to first order with the norm's denominator held, which is how
+    attribution graphs hold it (``k2lab.circuits``). The denominator's own change adds
+    -a (x . W_dec[f]) / (D rms(x)^2) * logit_e (the router's logits scaled down with the whole normalised vector).
+    Paths through attention or later blocks between the probe and the router are not in the direct read."""
+    name = _probe_pair(model, _probe_of(dictionary, probe))[1]
+    leaf = name.rsplit(".", 1)[-1]
+    if not (name == "embed_tokens.hook_out" or (name.startswith("layers.") and leaf in _RESIDUAL_WRITES)):
+        raise ValueError(f"router_read needs a dictionary that writes the residual stream (the embeddings, "
+                         f"hook_resid_pre/mid/post, hook_attn_out or hook_mlp_out); {name} is not added to it")
+    if layer not in moe_layers(model):
+        raise ValueError(f"layer {layer!r} has no router: the MoE layers are {moe_layers(model)}")
+    if layer not in reachable_moe_layers(model, name):
+        raise ValueError(f"layer {layer}'s router does not read what {name} writes: the MoE layers it reaches are "
+                         f"{reachable_moe_layers(model, name)}")
+    decoder = getattr(dictionary, "W_dec", None)
+    if not isinstance(decoder, torch.Tensor) or decoder.dim() != 2 or decoder.shape[1] != model.config.hidden_size:
+        raise TypeError(f"router_read reads the feature directions from W_dec [F, {model.config.hidden_size}]; "
+                        f"{type(dictionary).__name__} has {_described(decoder)}")
+    block = model.layers[layer]
+    g = block.post_attention_layernorm.weight.detach().float()  # [D]
+    gate = block.mlp.gate.weight.detach().float()  # [E, D]
+    return (decoder.detach().float().to(gate.device) * g) @ gate.T  # [F, E]
+
+
+@dataclass
+class RoutingEffect:
+    """What an intervention on features does to the routing of their own tokens (the tokens where one of them is
+    active in the clean run), per MoE layer it can reach, against control features matched on frequency, each
+    intervened on in the same way and measured on its own tokens. Intervals: percentiles of a bootstrap over texts
+    (``confidence``), the controls resampled with the same draws as the features (paired by text)."""
+
+    layers: list[int]  # the MoE layers the intervention can reach
+    features: list[int]
+    controls: list[list[int]]  # each control set: one feature per feature, of the nearest frequency
+    mode: str
+    scale: float
+    tokens: int  # the features' tokens
+    rate_change: torch.Tensor  # [L, E] change of the share of those tokens that choose each expert
+    rate_change_ci: torch.Tensor  # [2, L, E]
+    weight_change: torch.Tensor  # [L, E] change of the mean routing weight each expert gets on them (0 unchosen)
+    weight_change_ci: torch.Tensor  # [2, L, E]
+    moved: torch.Tensor  # [L] the share of the tokens' k choices that changed
+    moved_ci: torch.Tensor  # [2, L]
+    control_moved: torch.Tensor  # [C, L] the same for each control set, on its own tokens
+    excess: torch.Tensor  # [L] moved minus the controls' mean
+    excess_ci: torch.Tensor  # [2, L]
+    confidence: float
+
+    def __str__(self) -> str:
+        lines = [f"{self.mode} features {self.features} ({self.tokens} tokens), against {len(self.controls)} "
+                 f"matched control sets:"]
+        for j, layer in enumerate(self.layers):
+            low, high = self.excess_ci[:, j].tolist()
+            lines.append(f"  layer {layer}: {self.moved[j]:.1%} of choices moved (controls "
+                         f"{self.control_moved[:, j].mean():.1%}), excess {self.excess[j]:+.1%} [{low:+.1%}, "
+                         f"{high:+.1%}]")
+        return "\n".join(lines)
+
+
+def routing_effect(model: K2Model, dictionary: nn.Module, features: int | Sequence[int], texts: Iterable[str],
+                   mode: str = "ablate", scale: float | None = None, *, probe: ProbeSpec | None = None,
+                   num_controls: int = 8, batch_size: int = 8, max_len: int | None = 256, num_boot: int = 200,
+                   confidence: float = 0.95, seed: int = 0, progress: bool | None = None) -> RoutingEffect:
+    """Intervene on ``features`` of ``dictionary`` (spliced at ``probe`` with its error term kept, so nothing else
+    changes) over ``texts``, and measure per reachable MoE layer how the routing of their tokens changes, against
+    ``num_controls`` sets of control features matched on frequency (``RoutingEffect``).
+
+    ``mode="ablate"``: each feature is zeroed where it is active (``scale`` must be None). ``mode="steer"``: each
+    feature gets ``scale`` times its mean activation (over its active tokens in ``texts``) added where it is
+    active, so a control is steered by as much of its own typical size. The tokens measured are where a feature of
+    the set is active in the clean run."""
+    if mode not in ("ablate", "steer"):
+        raise ValueError(f"mode must be 'ablate' or 'steer', got {mode!r}")
+    if mode == "ablate" and scale is not None:
+        raise ValueError("scale is for mode='steer' (how much is added); mode='ablate' zeroes the features")
+    if mode == "steer" and (isinstance(scale, bool) or not isinstance(scale, int | float)):
+        raise ValueError(f"mode='steer' needs scale, a number of mean activations to add, got {scale!r}")
+    _check_positive(num_controls=num_controls, num_boot=num_boot)
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    probe = _probe_of(dictionary, probe)
+    layers = reachable_moe_layers(model, _probe_pair(model, probe)[1])
+    if not layers:
+        raise ValueError(f"no MoE router reads what {probe} writes: no routing to measure")
+    # Tokenized once; every run below goes over the same batches, each forward stopped after the last router.
+    texts = list(texts)
+    runs = list(batches(model, texts, batch_size, max_len, padding_side="right", progress=progress))
+    routers = [f"layers.{layer}.mlp.gate.{leaf}" for layer in layers for leaf in ("hook_topk_idx", "hook_topk_weights")]
+
+    def routing_run(edit: Callable | None = None, keep_features: bool = False) -> tuple[torch.Tensor, ...]:
+        """Over every batch, with the dictionary spliced in (error kept) and ``edit`` on its features: the chosen
+        experts and weights [L, B, T, k] of the reachable layers, and the features [B, T, F] when asked for."""
+        parts = []
+        with splice(model, probe, dictionary, keep_error=True) as point:
+            names = [point.name, *routers] if keep_features else routers
+            with model.hooks(fwd_hooks=[(point.name, edit)] if edit is not None else []):
+                for ids, mask in runs:
+                    parts.append(record_probes(model, ids, names, attention_mask=mask))
+        T = max(ids.shape[1] for ids, _ in runs)
+
+        def joined(name: str) -> torch.Tensor:  # [B, T, ...] over every batch, padded on the right to T
+            return torch.cat([nn.functional.pad(part[name], [0, 0] * (part[name].dim() - 2) +
+                                                [0, T - part[name].shape[1]]) for part in parts])
+
+        idx = torch.stack([joined(name) for name in routers[0::2]])  # [L, B, T, k]
+        weights = torch.stack([joined(name) for name in routers[1::2]]).float()
+        return (idx, weights, joined(point.name).float()) if keep_features else (idx, weights)
+
+    clean_idx, clean_weights, clean_features = routing_run(keep_features=True)
+    real = torch.cat([nn.functional.pad(mask.bool(), [0, clean_idx.shape[2] - mask.shape[1]]) for _, mask in runs])
+    F = clean_features.shape[-1]
+    chosen = [int(f) for f in ([features] if isinstance(features, int) else features)]
+    if not chosen or any(not 0 <= f < F for f in chosen) or len(set(chosen)) != len(chosen):
+        raise ValueError(f"features must be distinct feature indices in 0..{F - 1}, got {features!r}")
+    active = (clean_features > 0) & real[..., None]  # [B, T, F]
+    counts = active.flatten(0, 1).sum(0)  # [F]
+    silent = [f for f in chosen if counts[f] == 0]
+    if silent:
+        raise ValueError(f"features {silent} are never active on these texts: no token to measure them on")
+    mean_activation = (clean_features * active).flatten(0, 1).sum(0) / counts.clamp(min=1)  # [F]
+    control_sets = _matched_controls(counts, chosen, num_controls)
+    E, k = model.config.n_routed_experts, clean_idx.shape[-1]
+
+    def per_text(group: list[int]) -> tuple[torch.Tensor, ...]:
+        """Per text (float64, CPU): tokens [S], change of choices [S, L, E], of weights [S, L, E], moved [S, L]."""
+        added = scale * mean_activation[group] if mode == "steer" else None  # [len(group)]
+
+        def intervene(f: torch.Tensor, hook) -> torch.Tensor:  # f [b, T, F]
+            on = f[..., group] > 0
+            edited = f.clone()
+            new = torch.zeros_like(f[..., group]) if added is None else f[..., group] + added
+            edited[..., group] = torch.where(on, new, f[..., group])
+            return edited
+
+        idx, weights = routing_run(intervene)
+        on = active[..., group].any(-1)  # [B, T] the group's tokens
+        before_c, after_c = (torch.zeros(*i.shape[:-1], E, device=on.device).scatter_(-1, i, 1.0)
+                             for i in (clean_idx, idx))  # [L, B, T, E]
+        before_w, after_w = (torch.zeros(*i.shape[:-1], E, device=on.device).scatter_add_(-1, i, w)
+                             for i, w in ((clean_idx, clean_weights), (idx, weights)))
+        mask = on[None, :, :, None].float()
+        d_choice = ((after_c - before_c) * mask).sum(2)  # [L, B, E]
+        d_weight = ((after_w - before_w) * mask).sum(2)
+        moved = ((before_c * (1 - after_c)).sum(-1) / k * on[None].float()).sum(-1)  # [L, B]
+        return (on.sum(-1).double().cpu(), d_choice.transpose(0, 1).double().cpu(),
+                d_weight.transpose(0, 1).double().cpu(), moved.T.double().cpu())
+
+    target = per_text(chosen)
+    controls = [per_text(group) for group in control_sets]
+    draws = routing.sequence_draws(len(texts), num_boot, torch.Generator().manual_seed(seed))  # [R, S]
+    everything = torch.ones(1, len(texts), dtype=torch.float64)
+
+    def ratios(parts: tuple[torch.Tensor, ...], weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        tokens = (weights @ parts[0]).clamp(min=1)  # [R]
+        return tuple(torch.einsum("rs,s...->r...", weights, part) / tokens.view(-1, *[1] * (part.dim() - 1))
+                     for part in parts[1:])  # [R, L, E], [R, L, E], [R, L]
+
+    point, boot = ratios(target, everything), ratios(target, draws)
+    control_point = torch.stack([ratios(c, everything)[2][0] for c in controls])  # [C, L]
+    control_boot = torch.stack([ratios(c, draws)[2] for c in controls]).mean(0)  # [R, L]
+    interval = lambda samples: routing.bootstrap_interval(samples, confidence).float()  # noqa: E731
+    return RoutingEffect(
+        layers=layers, features=chosen, controls=control_sets, mode=mode, scale=0.0 if scale is None else scale,
+        tokens=int(target[0].sum()), rate_change=point[0][0].float(), rate_change_ci=interval(boot[0]),
+        weight_change=point[1][0].float(), weight_change_ci=interval(boot[1]), moved=point[2][0].float(),
+        moved_ci=interval(boot[2]), control_moved=control_point.float(),
+        excess=(point[2][0] - control_point.mean(0)).float(), excess_ci=interval(boot[2] - control_boot),
+        confidence=confidence)
+
+
+def record_probes(model: K2Model, ids: torch.Tensor, names: Sequence[str], **forward_kwargs) -> dict[str, torch.Tensor]:
+    """The activations of the probes ``names`` in one forward of ``ids``, which stops as soon as the last of them
+    has fired: later blocks and the head are not run (the cheap way to read early probes over a corpus)."""
+    from .dictionary import _StopForward
+
+    wanted, recorded = set(names), {}
+
+    def record(activation: torch.Tensor, hook: HookPoint) -> None:
+        recorded[hook.name] = activation.detach()
+        if wanted <= recorded.keys():
+            raise _StopForward
+
+    with model.hooks(fwd_hooks=[(list(names), record)]):
+        try:
+            model(ids, **forward_kwargs)
+        except _StopForward:
+            pass
+    missing = sorted(wanted - recorded.keys())
+    if missing:
+        raise RuntimeError(f"record_probes: the probes {missing} did not fire in the forward")
+    return recorded
+
+
+def _matched_controls(counts: torch.Tensor, features: list[int], num_controls: int) -> list[list[int]]:
+    """``num_controls`` sets, each holding for every feature the unused feature whose active count is nearest its
+    own (never one of ``features``, never used twice)."""
+    used = set(features)
+    order = counts.double()
+    sets = []
+    for _ in range(num_controls):
+        group = []
+        for f in features:
+            distance = (order - order[f]).abs()
+            distance[list(used)] = torch.inf
+            distance[counts == 0] = torch.inf
+            pick = int(distance.argmin())
+            if distance[pick] == torch.inf:
+                raise ValueError(f"not enough active features to draw {num_controls} control sets of "
+                                 f"{len(features)}: lower num_controls")
+            group.append(pick)
+            used.add(pick)
+        sets.append(group)
+    return sets
 
 
 # ---- checks -------------------------------------------------------------------------------------------------------

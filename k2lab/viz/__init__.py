@@ -11,6 +11,7 @@ Needs plotly and ipywidgets (``import k2lab`` alone does not import this package
 
 from . import widgets
 from .attention import pattern_figure, score_split_figure
+from .circuits import circuit_figure, influence_heatmap, prediction_figure, router_read_figure
 from .experts import (
     coactivation_figure,
     entropy_figure,
@@ -29,10 +30,13 @@ from .tokens import spans_html, tokens_html
 from .training import expert_time_figure, loss_figure, qk_clip_figure, singular_values_figure
 
 __all__ = [
-    "attribution_figure", "bias_flip_figure", "cache_logit_lens_figure", "coactivation_figure", "effect_heatmap",
+    "attribution_figure", "bias_flip_figure", "cache_logit_lens_figure", "circuit_figure", "coactivation_figure",
+    "effect_heatmap", "influence_heatmap",
     "entropy_figure", "expert_share_heatmap", "expert_time_figure", "information_figure", "layer_bars_figure",
     "lines_figure", "load_figure", "logit_lens_figure", "loss_figure", "parameter_figure", "pattern_figure",
-    "purity_figure", "qk_clip_figure", "router_token_figure", "routing_heatmap", "score_split_figure",
+    "prediction_figure",
+    "purity_figure", "qk_clip_figure", "router_read_figure", "router_token_figure", "routing_heatmap",
+    "score_split_figure",
     "singular_values_figure", "spans_html", "specialization_figure", "tokens_html", "widgets", "yarn_figure",
 ]
 __all__ += ["residual_norm_figure"]
