@@ -64,7 +64,14 @@ __all__ = [
     "replacement_of", "replacement_probes", "top_activations",
 ]
 
-EMBEDDING, FEATURE, ERROR, TARGET = 0, 1, 2, 3  # node kinds
+EMBEDDING = 0
+"""The kind of a graph node that is a token's embedding (``AttributionGraph.kind``)."""
+FEATURE = 1
+"""The kind of a node that is a transcoder feature active at a (layer, position)."""
+ERROR = 2
+"""The kind of an error node: what a transcoder misses of its FFN's output at a (layer, position)."""
+TARGET = 3
+"""The kind of the target node: the logit (or logit difference) the graph explains."""
 KIND_NAMES = ("embedding", "feature", "error", "target")
 TargetSpec = int | str | tuple[int | str, int | str] | None
 ROW_BATCH = 256  # rows (nodes read) per batched backward through the replacement model
