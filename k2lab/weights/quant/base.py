@@ -238,10 +238,18 @@ class QuantizedRoutedExperts(QuantizedResident, Experts):
         and dequantized: (gate [..., I, D], up [..., I, D], down [..., D, I]). No expert id is read back to Python, so
         a compiled step traces it and a GPU runs it without a host sync (model/speed/indexed_experts.py)."""
         return tuple(  # type: ignore[return-value]
-            self.format.dequantize(tuple(getattr(self, p + s)[idx] for s in self.suffixes), self.dtype)
+            self.format.dequantize(tuple(gather(getattr(self, p + s), idx) for s in self.suffixes), self.dtype)
             for p in EXPERT_PROJS
         )
 
     def extra_repr(self) -> str:
         """What ``print(module)`` shows after the class name: the number of experts and the format."""
         return f"{self.num_experts} experts, {self.format}"
+
+
+def gather(stack: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``stack[idx]``: the rows of a stored stack [E, ...] that ``idx`` [...] names -> [..., ...]. Float8 rows are
+    gathered as their bytes (torch before 2.9 has no CPU indexing for float8 dtypes), the same values."""
+    if stack.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return stack.view(torch.uint8)[idx].view(stack.dtype)
+    return stack[idx]
