@@ -42,9 +42,11 @@ print(f"{len(heldout)} held-out documents (standard-library code and reference p
 # %% [markdown]
 # ## The shipped dictionaries
 #
-# k2lab ships two, trained on K2-nano's training corpus (`python scripts/train_dictionaries.py`): an SAE of the
-# residual stream after the middle block (`layers.3.hook_resid_post`, 1,024 features, k = 32) and a transcoder of
-# that block's MoE (2,048 features, k = 32). Their held-out scores are stored in their configs. The field reports:
+# k2lab ships dictionaries trained on K2-nano's training corpus (`python scripts/train_dictionaries.py`; the cell
+# below lists them). This notebook reads two: an SAE of the residual stream after the middle block
+# (`layers.3.hook_resid_post`, 1,024 features, k = 32) and a transcoder of that block's MoE (2,048 features,
+# k = 32); the transcoders of the other blocks serve notebook 12's circuits. Their held-out scores are stored in
+# their configs. The field reports:
 #
 # * **FVU**, the fraction of variance unexplained: |x − x̂|² / |x − mean x|², 0 is perfect;
 # * **L0**, the active features per token (k for a TopK dictionary, fewer when some of the top k are ≤ 0);
