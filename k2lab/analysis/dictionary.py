@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from .splicing import ProbeSpec, _check_finite, _probe_pair, _reads_heads, splice
+from .splicing import ProbeSpec, _check_finite, _check_weights, _probe_pair, _reads_heads, splice
 
 if TYPE_CHECKING:
     from ..model.hooks import HookPoint
@@ -364,6 +364,11 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _check_seed(seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an integer, got {seed!r}")
+
+
 def _rows(name: str, activation: torch.Tensor) -> torch.Tensor:
     """A probe's activation as the rows a dictionary reads: [B, T, D] as it is, attention's ``hook_z`` [B, T, H, V]
     with its heads flattened to [B, T, H * V] (as SAELens trains hook_z SAEs); any other layout is refused."""
@@ -486,9 +491,12 @@ def train_dictionary(model: K2Model, dictionary: TopKDictionary, probe: ProbeSpe
     (``fit``, which takes ``options``: lr, aux_k, aux_coefficient, dead_after_tokens, decay_fraction, progress).
     ``dictionary.metadata`` records the probe's context and, under "k2lab_training", the run. Texts that run out before
     ``tokens`` are refused, with the tokens they gave."""
+    if not isinstance(dictionary, TopKDictionary):
+        raise TypeError(f"train_dictionary trains a TopKSAE or a Transcoder, got {type(dictionary).__name__}")
     read, write = _probe_pair(model, probe)
     probes = [read] if read == write else [read, write]
     _check_texts(texts)
+    _check_seed(seed)
     _check_positive(tokens=tokens, batch_tokens=batch_tokens, buffer_tokens=buffer_tokens, context=context,
                     batch_size=batch_size)
     if buffer_tokens < batch_tokens:
@@ -527,7 +535,12 @@ def fit(dictionary: TopKDictionary, batches: Iterable[Sequence[torch.Tensor]], s
     (default d_out / 2) of the latents silent for ``dead_after_tokens`` tokens reconstruct the error, weighted
     ``aux_coefficient``. A tqdm bar shows the smoothed training FVU and the dead fraction. A batch of the wrong width,
     with a NaN or infinite row, or whose targets do not vary is refused, naming it."""
+    if not isinstance(dictionary, TopKDictionary):
+        raise TypeError(f"fit trains a TopKSAE or a Transcoder, got {type(dictionary).__name__}")
+    if not isinstance(batches, Iterable):
+        raise TypeError(f"batches must be an iterable of [x] or [x, y] tensors, got {type(batches).__name__}")
     _check_positive(steps=steps, dead_after_tokens=dead_after_tokens)
+    _check_seed(seed)
     if aux_k is not None:
         _check_positive(aux_k=aux_k)
     for name, value, low in (("lr", lr, 0.0), ("aux_coefficient", aux_coefficient, 0.0),
@@ -716,6 +729,7 @@ def evaluate(model: K2Model, probe: ProbeSpec, dictionary: nn.Module, texts: Ite
     tokenizer = model.require_tokenizer("evaluate")
     if max_tokens is not None:
         _check_positive(max_tokens=max_tokens)
+    _check_weights(dictionary, "evaluate")  # before the clean pass, not after it
     heads, flattens_itself = _reads_heads(dictionary)
     squared_error = total = sum_squares = 0.0
     sum_y: torch.Tensor | None = None  # [D] float64

@@ -70,8 +70,7 @@ def splice(model: K2Model, probe: ProbeSpec, dictionary: nn.Module, keep_error: 
     write_point = model.hook_point(write)
     if hasattr(write_point, FEATURES):
         raise RuntimeError(f"{write} already has a dictionary spliced in ({write}.{FEATURES}); exit that splice first")
-    if isinstance(dictionary, nn.Module):
-        _check_finite({f"the dictionary's {name}": p.detach() for name, p in dictionary.named_parameters()}, "splice")
+    _check_weights(dictionary, "splice")
     d_in, d_out = _widths(dictionary)
     heads, flattens_itself = _reads_heads(dictionary)
     if heads and read != write:
@@ -190,6 +189,12 @@ def _reads_heads(dictionary: nn.Module) -> tuple[bool, bool]:
     declared = getattr(dictionary, "cfg", dictionary)
     heads = getattr(declared, "reshape_activations", "none") == "hook_z"
     return heads, heads and bool(getattr(dictionary, "hook_z_reshaping_mode", False))
+
+
+def _check_weights(dictionary: nn.Module, where: str) -> None:
+    """Refuse, naming the tensor, a dictionary whose parameters hold a NaN or an infinity."""
+    if isinstance(dictionary, nn.Module):
+        _check_finite({f"the dictionary's {name}": p.detach() for name, p in dictionary.named_parameters()}, where)
 
 
 def _check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:

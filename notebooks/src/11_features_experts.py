@@ -203,14 +203,16 @@ viz.expert_share_heatmap(pure.distribution[[i for i, *_ in purest]], labels,
 # "expert e is chosen" (C), in bits, counts both directions and both outcomes. Divided by the feature's own entropy
 # H(A) it is a share: 1 when the feature is active exactly when the expert is chosen. `features.information` takes
 # each feature's best expert, averages the share over features active on 50 tokens or more (rarer ones are biased
-# upward), and bootstraps over texts (tokens of one text are not independent). **Predict**: at which layer is the
-# share of layer 3's transcoder features highest, and how much of it survives the within-token shuffle?
+# upward), and bootstraps over texts (tokens of one text are not independent). Counted from a finite sample, the
+# information is biased upward; the bootstrap measures that bias and `information` subtracts it from the share, its
+# interval and the baselines alike. **Predict**: at which layer is the share of layer 3's transcoder features highest,
+# and how much of it survives the within-token shuffle?
 
 # %%
 # NBVAL_CHECK_OUTPUT
 info = features.information(active, moe_trace.chosen(), moe_trace.sequences(), layers=moe_trace.routing.layers)
 info_within = features.information(active, moe_trace.chosen(), moe_trace.sequences(),
-                                   layers=moe_trace.routing.layers, within=tokens, num_boot=1)
+                                   layers=moe_trace.routing.layers, within=tokens, num_boot=50)
 for j, i in enumerate(info.layers):
     low, high = info.mean_share_ci[:, j].tolist()
     beyond = info.mean_share[j] - info_within.baseline[j]
@@ -430,8 +432,9 @@ for context in sae_trace.top_contexts(bracket, tok.decode, n=5):
 # 2, 5 and 10 (a hook on the features probe that adds to it). At which strength does `]` beat `)`? Predict first.
 #
 # **2. Change a knob: rare features.** Run `features.information` on the transcoder's features with `min_active=10`
-# and compare each layer's share with its bootstrap interval. What happened, and why does the default count only
-# features active on 50 tokens or more?
+# and compare each layer's plug-in share (`mean_share_plugin`) with the corrected one (`mean_share`) and its
+# interval. How large is the correction, against the default's, and why does the default count only features active
+# on 50 tokens or more?
 
 # %%
 # your code here
@@ -483,17 +486,21 @@ with interventions.splice(model, sae.probe, sae, keep_error=True):
             print(f"+{strength:>4}: LD {ld(model(corrupt)):+.2f} (corrupted {ld_corrupt:+.2f}, clean {ld_clean:+.2f})")
 
 # %% [markdown]
-# **2.** With rare features counted, the estimate falls below its own bootstrap interval: the plug-in information
-# of a feature seen ten times is biased upward, and a resample, which repeats texts, is biased more, so the
-# resamples no longer surround the estimate. Counting only features seen often keeps the bias small:
+# **2.** The plug-in information of a feature seen ten times is biased upward (it shares a lot with some expert by
+# chance), and a resample, which repeats texts, is biased about as much again: a plain percentile interval would lie
+# wholly above the estimate. `information` measures that bias by the resamples and subtracts it, so the corrected
+# share sits inside its interval; but with rare features counted the correction is about twice the default's, as
+# large as the interval is wide, and the answer leans on how well the bootstrap measures it. Counting only features
+# seen often keeps it small:
 
 # %% tags=["solution"]
 rare = features.information(active, moe_trace.chosen(), moe_trace.sequences(), layers=moe_trace.routing.layers,
                             min_active=10, num_boot=100)
 for j, i in enumerate(rare.layers):
     low, high = rare.mean_share_ci[:, j].tolist()
-    print(f"layer {i}: {rare.mean_share[j]:.3f}, interval [{low:.3f}, {high:.3f}], "
-          f"inside: {low <= rare.mean_share[j].item() <= high}")
+    print(f"layer {i}: plug-in {rare.mean_share_plugin[j]:.3f}, corrected {rare.mean_share[j]:.3f} "
+          f"[{low:.3f}, {high:.3f}]: a correction of {rare.mean_share_plugin[j] - rare.mean_share[j]:.3f}, "
+          f"against {info.mean_share_plugin[j] - info.mean_share[j]:.3f} with the default min_active=50")
 
 # %% [markdown]
 # **3.** Count the feature's tokens per expert, take the largest count, divide by the feature's tokens:
