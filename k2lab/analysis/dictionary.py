@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 import uuid
@@ -134,8 +135,8 @@ class TopKDictionary(nn.Module):
     def save(self, path: str | Path) -> Path:
         """Write ``path/cfg.json`` and ``path/sae_weights.safetensors`` (SAELens's layout); returns the folder.
 
-        Both files are written into a new folder beside ``path``, which then takes its place (the other files ``path``
-        holds move over), so a save that fails leaves ``path`` as it was. Weights that are not finite are refused."""
+        Both files are written whole into a temporary folder before either replaces what ``path`` holds, so a save that
+        fails leaves ``path`` as it was; its other files stay. Weights that are not finite are refused."""
         path = Path(path)
         weights = {name: p.detach().cpu().contiguous() for name, p in self.named_parameters()}
         _check_finite(weights, f"{type(self).__name__}.save")
@@ -196,34 +197,27 @@ def unit_rows(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def _write_folder(path: Path, write) -> None:
-    """``write(folder)`` into a new folder beside ``path``, then that folder in place of ``path``: the entries of the
-    old ``path`` that the write did not make move over by renaming, and the old folder goes only once the new one is in
-    place. On any failure ``path`` is as it was. (``ActivationCache.save`` and ``k2lab.weights.save_checkpoint`` do
-    the same for their own files; their helpers are private to those modules.)"""
+    """``write(folder)`` into a temporary folder inside ``path`` (made if missing), then each file it wrote renamed
+    into ``path``, cfg.json last: a failure while writing leaves ``path`` as it was (a folder made for the save is
+    removed again), and the other files ``path`` holds are never touched. (``ActivationCache.save`` and
+    ``k2lab.weights.save_checkpoint`` stage their files too; their helpers are private to those modules and swap
+    whole folders.)"""
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{path} exists and is not a folder: a dictionary is saved as a folder")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:12]
-    staging, retired = path.with_name(f".{path.name}.{tag}.partial"), path.with_name(f".{path.name}.{tag}.old")
+    made = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    staging = path / f".saving-{uuid.uuid4().hex[:12]}"
     staging.mkdir()
-    moved: list[str] = []
     try:
         write(staging)
-        if path.exists():
-            for old in path.iterdir():
-                if not (staging / old.name).exists():
-                    old.rename(staging / old.name)
-                    moved.append(old.name)
-            path.rename(retired)
-        staging.rename(path)
     except BaseException:
-        if retired.exists() and not path.exists():
-            retired.rename(path)
-        for name in moved:  # back where they were
-            (staging / name).rename(path / name)
         shutil.rmtree(staging, ignore_errors=True)
+        if made:
+            path.rmdir()
         raise
-    shutil.rmtree(retired, ignore_errors=True)
+    for written in sorted(staging.iterdir(), key=lambda file: (file.name == CONFIG_FILE, file.name)):
+        os.replace(written, path / written.name)  # the weights, then the config that describes them
+    staging.rmdir()
 
 
 def load(path: str | Path) -> TopKDictionary:
@@ -592,7 +586,8 @@ def fit(dictionary: TopKDictionary, batches: Iterable[Sequence[torch.Tensor]], s
             break
     bar.close()
     if scale_in is None:
-        raise ValueError("fit: the batches held no activations to train on")
+        raise ValueError("fit: the batches held no activations to train on (train_dictionary's texts give none when "
+                         "they hold fewer tokens than one step, batch_tokens)")
     _fold_scales(dictionary, scale_in, scale_out)
     return {"tokens": seen, "steps": step, "lr": lr, "aux_k": aux_k, "dead_after_tokens": dead_after_tokens,
             "seed": seed, "train_fvu_smoothed": round(smoothed_fvu, 4),

@@ -484,7 +484,8 @@ def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path):
         new.save(folder)
     kept = dl.load(folder)
     assert torch.equal(kept.W_enc, old.W_enc)  # the old weights under the old config
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sae"]  # no staging folder left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sae"]  # no staging folder left, beside or inside
+    assert sorted(p.name for p in folder.iterdir()) == ["cfg.json", "notes.txt", "sae_weights.safetensors"]
     assert (folder / "notes.txt").read_text() == "mine"
     del new.config
     new.save(folder)
@@ -529,3 +530,15 @@ def test_load_names_the_file_and_the_field(tmp_path):
     save_file({"W_enc": torch.zeros(16, 64)}, weights)
     with pytest.raises(ValueError, match=r"sae_weights.safetensors has no tensor b_enc \(it holds \['W_enc'\]\)"):
         dl.load(folder)
+
+
+def test_a_failed_first_save_leaves_nothing(tmp_path):
+    sae = randomized(dl.TopKSAE(16, 64, 5))
+
+    def broken() -> dict:
+        raise OSError("disk full")
+
+    sae.config = broken
+    with pytest.raises(OSError, match="disk full"):
+        sae.save(tmp_path / "new")
+    assert list(tmp_path.iterdir()) == []
