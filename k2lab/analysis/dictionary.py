@@ -75,6 +75,8 @@ class TopKDictionary(nn.Module):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if k > d_sae:
             raise ValueError(f"k={k} features cannot be active out of d_sae={d_sae}: k must be at most d_sae")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise TypeError(f"metadata must be a dict (hook_name, model_name, ...), got {type(metadata).__name__}")
         self.d_in, self.d_out, self.d_sae, self.k = d_in, d_out, d_sae, k
         self.W_enc = nn.Parameter(torch.empty(d_in, d_sae))  # [d_in, d_sae]
         self.b_enc = nn.Parameter(torch.zeros(d_sae))  # [d_sae]
@@ -663,8 +665,10 @@ def fraction_of_variance_unexplained(x: torch.Tensor, reconstruction: torch.Tens
 
 def ce_recovered(ce_clean: float, ce_spliced: float, ce_zero: float) -> float:
     """(CE_ablated - CE_spliced) / (CE_ablated - CE_clean): 1 when splicing costs no loss, 0 when it is as bad as
-    ablating the probe (``ce_zero``: the loss with the probe zero- or mean-ablated)."""
-    return (ce_zero - ce_spliced) / (ce_zero - ce_clean)
+    ablating the probe (``ce_zero``: the loss with the probe zero- or mean-ablated); NaN when the ablation costs
+    nothing, so that there is nothing to recover."""
+    gap = ce_zero - ce_clean
+    return (ce_zero - ce_spliced) / gap if gap != 0 else math.nan
 
 
 @dataclass

@@ -30,6 +30,7 @@ on a token when its activation is above 0; an expert is *chosen* by a token when
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -241,7 +242,13 @@ def information(active: torch.Tensor | FeatureTrace, chosen: torch.Tensor | None
         raise ValueError(f"information: give layers=, the model layer of each of chosen's {len(chosen)} rows "
                          f"(ft.routing.layers), or pass the FeatureTrace itself: information(ft); numbering the "
                          f"rows 0, 1, ... would label them with layers they are not")
-    layers = list(layers)
+    try:  # ints, or anything that is one (a numpy or 0-d torch integer), never a bool
+        named = [operator.index(layer) if not isinstance(layer, bool) else None for layer in layers]
+    except TypeError:
+        named = [None]
+    if None in named:
+        raise ValueError(f"layers must be model layer indices (ints), got {layers!r}")
+    layers = named
     if len(layers) != len(chosen):
         raise ValueError(f"layers names {len(layers)} layers but chosen holds {len(chosen)} ([L_moe, N, E])")
     if sequences.shape != (active.shape[0],) or sequences.is_floating_point():

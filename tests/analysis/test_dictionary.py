@@ -5,6 +5,7 @@ and loading (also through SAELens), and the shipped dictionaries."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -542,3 +543,10 @@ def test_a_failed_first_save_leaves_nothing(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         sae.save(tmp_path / "new")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ce_recovered_is_undefined_where_the_ablation_costs_nothing():
+    assert math.isnan(dl.ce_recovered(ce_clean=3.0, ce_spliced=3.1, ce_zero=3.0))
+    metrics = dl.DictionaryMetrics(fvu=0.1, mean_l0=4.0, dead_fraction=0.0, ce_clean=3.0, ce_spliced=3.1, ce_zero=9.0,
+                                   ce_mean=3.0, tokens=10)
+    assert math.isnan(metrics.ce_recovered_mean) and "nan% against mean-ablation" in str(metrics)

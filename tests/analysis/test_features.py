@@ -174,6 +174,8 @@ def test_information_labels_its_rows_by_model_layer(nano):
         fx.information(ft.active(), ft.chosen(), ft.sequences())
     with pytest.raises(TypeError, match="reads chosen, sequences and layers from the trace; drop layers"):
         fx.information(ft, layers=[0, 1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"layers must be model layer indices \(ints\), got \['1', '2', '3', "):
+        fx.information(ft.active(), ft.chosen(), ft.sequences(), layers=list("12345"))
 
 def test_shuffling_within_token_ids_keeps_what_the_token_explains():
     g = torch.Generator().manual_seed(2)
