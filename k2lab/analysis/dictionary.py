@@ -45,7 +45,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from .splicing import ProbeSpec, _check_finite, _check_weights, _probe_pair, _reads_heads, splice
+from .splicing import ProbeSpec, _check_dictionary, _check_finite, _probe_pair, _reads_heads, _widths, splice
 
 if TYPE_CHECKING:
     from ..model.hooks import HookPoint
@@ -728,7 +728,8 @@ def evaluate(model: K2Model, probe: ProbeSpec, dictionary: nn.Module, texts: Ite
     tokenizer = model.require_tokenizer("evaluate")
     if max_tokens is not None:
         _check_positive(max_tokens=max_tokens)
-    _check_weights(dictionary, "evaluate")  # before the clean pass, not after it
+    _check_dictionary(dictionary, "evaluate")  # before the clean pass, not after it
+    d_in = _widths(dictionary)[0]
     heads, flattens_itself = _reads_heads(dictionary)
     squared_error = total = sum_squares = 0.0
     sum_y: torch.Tensor | None = None  # [D] float64
@@ -748,6 +749,9 @@ def evaluate(model: K2Model, probe: ProbeSpec, dictionary: nn.Module, texts: Ite
         if x.dim() > 2 and not heads:
             raise ValueError(f"evaluate: {read} is {list(cache[read].shape)}; a dictionary of it reads the heads "
                              f"flattened (reshape_activations='hook_z', as train_sae makes one)")
+        if d_in is not None and x[0].numel() != d_in:
+            raise ValueError(f"evaluate: {read}'s rows are {x[0].numel()} wide ({list(cache[read].shape)}) but the "
+                             f"dictionary encodes d_in={d_in}")
         features = dictionary.encode(x.flatten(-2) if heads and not flattens_itself else x)  # [N, d_sae]
         reconstruction = dictionary.decode(features).reshape(len(y), -1).double()  # [N, d_out]
         row_shape = y.shape[1:]  # [d_out] (heads: [H, V])

@@ -251,9 +251,10 @@ def information(active: torch.Tensor | FeatureTrace, chosen: torch.Tensor | None
     layers = named
     if len(layers) != len(chosen):
         raise ValueError(f"layers names {len(layers)} layers but chosen holds {len(chosen)} ([L_moe, N, E])")
-    if sequences.shape != (active.shape[0],) or sequences.is_floating_point():
-        raise ValueError(f"sequences must be integer text indices [N] = [{active.shape[0]}], got {sequences.dtype} "
-                         f"{list(sequences.shape)}")
+    if not isinstance(sequences, torch.Tensor) or sequences.shape != (active.shape[0],) or \
+            sequences.is_floating_point():
+        raise ValueError(f"sequences must be integer text indices [N] = [{active.shape[0]}], got "
+                         f"{_described(sequences)}")
     _check_positive(min_active=min_active, num_boot=num_boot, num_shuffles=num_shuffles)
     _check_labels(within, active.shape[0])
     if not 0 < confidence < 1:
@@ -266,6 +267,9 @@ def information(active: torch.Tensor | FeatureTrace, chosen: torch.Tensor | None
     c = chosen.cpu().double()  # [L, N, E]
     n_active = a.sum(0)  # [F]
     counted = (n_active >= min_active) & (n_active < len(a))  # [F]
+    if not counted.any():
+        raise ValueError(f"information: no feature is active on min_active={min_active} tokens or more (and on fewer "
+                         f"than all {len(a):,}), so there is no mean to take; lower min_active or trace more text")
     totals = (torch.tensor([float(len(a))]), n_active[None], c.sum(1)[None], torch.einsum("nf,lne->lfe", a, c)[None])
     bits, best, share, plugin = _best_expert_information(*totals, counted)  # per feature [L, F]; plugin [1, L]
     a = a[:, counted]  # [N, F_counted]: only the counted features enter the summaries

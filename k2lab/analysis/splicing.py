@@ -61,16 +61,13 @@ def splice(model: K2Model, probe: ProbeSpec, dictionary: nn.Module, keep_error: 
     transcoder, which encodes the activation of ``read_probe`` (it must fire first) and replaces ``write_probe``'s.
     ``keep_error=True`` adds back the reconstruction error (see the module docstring). The features probe is removed
     on exit, also after an error."""
-    if not (callable(getattr(dictionary, "encode", None)) and callable(getattr(dictionary, "decode", None))):
-        raise TypeError(f"dictionary must have encode(x) and decode(features) methods (a TopKSAE, a Transcoder or a "
-                        f"SAELens SAE); got {type(dictionary).__name__}")
+    _check_dictionary(dictionary, "splice")
     if not isinstance(keep_error, bool):
         raise TypeError(f"keep_error must be True or False, got {keep_error!r}")
     read, write = _probe_pair(model, probe)
     write_point = model.hook_point(write)
     if hasattr(write_point, FEATURES):
         raise RuntimeError(f"{write} already has a dictionary spliced in ({write}.{FEATURES}); exit that splice first")
-    _check_weights(dictionary, "splice")
     d_in, d_out = _widths(dictionary)
     heads, flattens_itself = _reads_heads(dictionary)
     if heads and read != write:
@@ -182,6 +179,16 @@ def _widths(dictionary: nn.Module) -> tuple[int | None, int | None]:
     return d_in, getattr(declared, "d_out", d_in)
 
 
+def _check_dictionary(dictionary: nn.Module, where: str) -> None:
+    """Refuse what cannot be a dictionary (no encode and decode), and one whose parameters hold a NaN or an infinity,
+    naming the tensor."""
+    if not (callable(getattr(dictionary, "encode", None)) and callable(getattr(dictionary, "decode", None))):
+        raise TypeError(f"dictionary must have encode(x) and decode(features) methods (a TopKSAE, a Transcoder or a "
+                        f"SAELens SAE); got {type(dictionary).__name__}")
+    if isinstance(dictionary, nn.Module):
+        _check_finite({f"the dictionary's {name}": p.detach() for name, p in dictionary.named_parameters()}, where)
+
+
 def _reads_heads(dictionary: nn.Module) -> tuple[bool, bool]:
     """Whether the dictionary reads a probe's last two axes flattened (its config's reshape_activations is "hook_z",
     SAELens's name: attention's heads [..., H, V] as one vector [..., H * V]), and whether it flattens them itself
@@ -189,12 +196,6 @@ def _reads_heads(dictionary: nn.Module) -> tuple[bool, bool]:
     declared = getattr(dictionary, "cfg", dictionary)
     heads = getattr(declared, "reshape_activations", "none") == "hook_z"
     return heads, heads and bool(getattr(dictionary, "hook_z_reshaping_mode", False))
-
-
-def _check_weights(dictionary: nn.Module, where: str) -> None:
-    """Refuse, naming the tensor, a dictionary whose parameters hold a NaN or an infinity."""
-    if isinstance(dictionary, nn.Module):
-        _check_finite({f"the dictionary's {name}": p.detach() for name, p in dictionary.named_parameters()}, where)
 
 
 def _check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:

@@ -469,6 +469,11 @@ def test_training_names_a_bad_argument(nano):
         dl.train_sae(model, RESID, TEXTS, batch_tokens=256, buffer_tokens=100, progress=False)
     with pytest.raises(ValueError, match=r"layers.3.hook_resid_post's rows are 128 wide, but the TopKSAE reads 64"):
         dl.train_dictionary(model, dl.TopKSAE(64, 64, 4), RESID, TEXTS, progress=False)
+    with pytest.raises(ValueError, match=r"evaluate: layers.3.hook_resid_post's rows are 128 wide \(\[3, \d+, 128\]\) "
+                                         r"but the dictionary encodes d_in=64"):
+        dl.evaluate(model, RESID, dl.TopKSAE(64, 64, 4), TEXTS)
+    with pytest.raises(TypeError, match="dictionary must have encode.* got Linear"):
+        dl.evaluate(model, RESID, torch.nn.Linear(128, 128), TEXTS)
 
 
 def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path):

@@ -291,6 +291,10 @@ def test_features_refuse_what_they_cannot_measure(nano, constructed):
         fx.information(active, chosen[None], sequences, layers=[1, 2])
     with pytest.raises(ValueError, match=r"sequences must be integer text indices \[N\]"):
         fx.information(active, chosen[None], sequences.float(), layers=[1])
+    with pytest.raises(ValueError, match=r"sequences must be integer text indices \[N\] = \[2000\], got list"):
+        fx.information(active, chosen[None], sequences.tolist(), layers=[1])
+    with pytest.raises(ValueError, match="no feature is active on min_active=2001 tokens or more"):
+        fx.information(active, chosen[None], sequences, layers=[1], min_active=2001)
     with pytest.raises(ValueError, match="num_boot must be a positive integer, got 0"):
         fx.information(active, chosen[None], sequences, num_boot=0, layers=[1])
     with pytest.raises(ValueError, match="confidence must lie in"):
