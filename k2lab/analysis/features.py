@@ -22,7 +22,8 @@ on a token when its activation is above 0; an expert is *chosen* by a token when
   2 x 2 table over tokens. Per feature the best expert's, and its share of the feature's own entropy,
   I / H(A_f): 1 when the feature is active exactly when that expert is chosen (then I = H(A_f) = H(C_e)). The layer
   summary is the mean share over the features active often enough, with bootstrap intervals over sequences (tokens
-  of one text are not independent, as in ``routing.contrast``) and the shuffled baseline.
+  of one text are not independent, as in ``routing.contrast``) and the shuffled baseline, each corrected for the
+  plug-in estimate's upward bias.
 - **Expert attribution** of a transcoder's features: the MoE's output is the shared expert plus sum_j w_j o_j over
   the chosen slots; the transcoder's is b_dec + sum_f a_f W_dec[f]. The share of expert e's output along feature f
   is sum_t <a_f(t) W_dec[f], w_e(t) o_e(t)> / sum_t |w_e(t) o_e(t)|^2 over the tokens t routed to e: 1 when the
@@ -37,6 +38,7 @@ on a token when its activation is above 0; an expert is *chosen* by a token when
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -190,40 +192,77 @@ def purity(active: torch.Tensor, chosen: torch.Tensor, num_shuffles: int = 10, w
 class FeatureInformation:
     """Per MoE layer (row j is model layer ``layers[j]``), how much feature activity and expert choice tell about each
     other (see the module docstring). Features outside ``counted`` (active on fewer than ``min_active`` tokens, or on
-    all) have NaN in the per-feature tensors and stay out of the means."""
+    all) have NaN in the per-feature tensors and stay out of the means.
+
+    The per-feature tensors are plug-in estimates (the counts' own information), which finite samples bias upward.
+    The layer summaries are bias-corrected: ``mean_share`` is the plug-in mean less the bias the bootstrap measures,
+    ``mean_share_ci`` the basic bootstrap interval around it, and ``baseline`` corrected the same way, so the three
+    compare with one another (``mean_share_plugin`` is the uncorrected mean)."""
 
     layers: list[int]
-    bits: torch.Tensor  # [L_moe, F] max_e I(A_f; C_e), bits
+    bits: torch.Tensor  # [L_moe, F] max_e I(A_f; C_e), bits (plug-in)
     best_expert: torch.Tensor  # [L_moe, F] the e that maximises it
-    share: torch.Tensor  # [L_moe, F] bits / H(A_f), in [0, 1]
-    mean_share: torch.Tensor  # [L_moe] mean of share over the counted features
-    mean_share_ci: torch.Tensor  # [2, L_moe] bootstrap interval over sequences (low, high)
-    baseline: torch.Tensor  # [L_moe] mean_share with the routing shuffled across tokens
+    share: torch.Tensor  # [L_moe, F] bits / H(A_f), in [0, 1] (plug-in)
+    mean_share: torch.Tensor  # [L_moe] mean of share over the counted features, bias-corrected
+    mean_share_ci: torch.Tensor  # [2, L_moe] bootstrap interval over sequences (low, high), bias-corrected
+    baseline: torch.Tensor  # [L_moe] mean_share with the routing shuffled across tokens, bias-corrected
     counted: torch.Tensor  # [F] bool
     confidence: float
     num_sequences: int
     num_tokens: int
+    mean_share_plugin: torch.Tensor  # [L_moe] the plug-in mean of share (mean_share before the correction)
 
 
-def information(active: torch.Tensor, chosen: torch.Tensor, sequences: torch.Tensor, layers: list[int] | None = None,
-                min_active: int = 50, num_boot: int = 200, num_shuffles: int = 5, within: torch.Tensor | None = None,
+def information(active: torch.Tensor | FeatureTrace, chosen: torch.Tensor | None = None,
+                sequences: torch.Tensor | None = None, layers: list[int] | None = None, min_active: int = 50,
+                num_boot: int = 200, num_shuffles: int = 5, within: torch.Tensor | None = None,
                 confidence: float = 0.95, seed: int = 0) -> FeatureInformation:
-    """Mutual information between each feature's activity (``active`` [N, F] bool) and each expert's choice
-    (``chosen`` [L_moe, N, E] bool, one row per MoE layer ``layers``), with ``sequences`` [N] naming each token's text
-    (``FeatureTrace.active()``, ``.chosen()``, ``.sequences()``, ``.routing.layers``). The intervals resample texts
-    ``num_boot`` times (percentiles at ``confidence``); the baseline averages ``num_shuffles`` shuffles of the
-    routing across tokens (within labels, as ``purity``, when ``within`` [N] gives them). Seeded.
+    """Mutual information between each feature's activity and each expert's choice, per MoE layer: from a
+    ``FeatureTrace`` alone (``information(ft)``, which reads the four below from it), or from ``active`` [N, F] bool,
+    ``chosen`` [L_moe, N, E] bool, ``sequences`` [N] naming each token's text and ``layers``, the model layer of each
+    row of ``chosen`` (``FeatureTrace.active()``, ``.chosen()``, ``.sequences()``, ``.routing.layers``). The intervals
+    resample texts ``num_boot`` times; the baseline averages ``num_shuffles`` shuffles of the routing across tokens
+    (within labels, as ``purity``, when ``within`` [N] gives them). Seeded.
 
-    Only features active on ``min_active`` tokens or more count: the plug-in information of a rarer one is biased
-    upward (a feature seen 10 times shares a lot with some expert by chance), and a resample, which repeats texts,
-    more so, until the bootstrap interval no longer holds the estimate."""
+    Bias: the plug-in information of a finite sample is biased upward (a feature seen 10 times shares a lot with some
+    expert by chance, and the best of E experts more so), and a resample, which repeats texts, is biased about as
+    much again, so a plain percentile interval lies above the estimate and above the truth. The summaries are
+    therefore corrected by the bootstrap's own measure of that bias, b = mean(resampled) - plug-in: the estimate is
+    plug-in - b and the interval the basic bootstrap one, [2 plug-in - q_high, 2 plug-in - q_low] (the percentile
+    interval reflected about the estimate), both clipped to [0, 1]. Percentile-based corrections (BC, BCa) cannot
+    reach below the smallest resample, and here every resample can lie above the estimate. The baseline is corrected
+    the same way, each shuffle from num_boot / num_shuffles resamples. Only features active on ``min_active`` tokens
+    or more count: rarer ones carry the most bias."""
+    if isinstance(active, FeatureTrace):
+        given = [name for name, value in (("chosen", chosen), ("sequences", sequences), ("layers", layers))
+                 if value is not None]
+        if given:
+            raise TypeError(f"information(trace) reads chosen, sequences and layers from the trace; drop "
+                            f"{', '.join(given)}")
+        trace = active
+        active, chosen, sequences, layers = (trace.active(), trace.chosen(), trace.sequences(),
+                                             list(trace.routing.layers))
+    if chosen is None or sequences is None:
+        raise TypeError("information takes a FeatureTrace alone, or active [N, F], chosen [L_moe, N, E] and "
+                        "sequences [N] (with layers=)")
     _check_tokens(active, chosen, "[L_moe, N, E]")
-    layers = list(range(len(chosen))) if layers is None else list(layers)
+    if layers is None:
+        raise ValueError(f"information: give layers=, the model layer of each of chosen's {len(chosen)} rows "
+                         f"(ft.routing.layers), or pass the FeatureTrace itself: information(ft); numbering the "
+                         f"rows 0, 1, ... would label them with layers they are not")
+    try:  # ints, or anything that is one (a numpy or 0-d torch integer), never a bool
+        named = [operator.index(layer) if not isinstance(layer, bool) else None for layer in layers]
+    except TypeError:
+        named = [None]
+    if None in named:
+        raise ValueError(f"layers must be model layer indices (ints), got {layers!r}")
+    layers = named
     if len(layers) != len(chosen):
         raise ValueError(f"layers names {len(layers)} layers but chosen holds {len(chosen)} ([L_moe, N, E])")
-    if sequences.shape != (active.shape[0],) or sequences.is_floating_point():
-        raise ValueError(f"sequences must be integer text indices [N] = [{active.shape[0]}], got {sequences.dtype} "
-                         f"{list(sequences.shape)}")
+    if not isinstance(sequences, torch.Tensor) or sequences.shape != (active.shape[0],) or \
+            sequences.is_floating_point():
+        raise ValueError(f"sequences must be integer text indices [N] = [{active.shape[0]}], got "
+                         f"{_described(sequences)}")
     _check_positive(min_active=min_active, num_boot=num_boot, num_shuffles=num_shuffles)
     _check_labels(within, active.shape[0])
     if not 0 < confidence < 1:
@@ -236,36 +275,47 @@ def information(active: torch.Tensor, chosen: torch.Tensor, sequences: torch.Ten
     c = chosen.cpu().double()  # [L, N, E]
     n_active = a.sum(0)  # [F]
     counted = (n_active >= min_active) & (n_active < len(a))  # [F]
+    if not counted.any():
+        raise ValueError(f"information: no feature is active on min_active={min_active} tokens or more (and on fewer "
+                         f"than all {len(a):,}), so there is no mean to take; lower min_active or trace more text")
+    totals = (torch.tensor([float(len(a))]), n_active[None], c.sum(1)[None], torch.einsum("nf,lne->lfe", a, c)[None])
+    bits, best, share, plugin = _best_expert_information(*totals, counted)  # per feature [L, F]; plugin [1, L]
+    a = a[:, counted]  # [N, F_counted]: only the counted features enter the summaries
+    every = torch.ones(int(counted.sum()), dtype=torch.bool)
+    members = [text == s for s in range(S)]
 
     def text_sums(c: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per text: tokens [S], active [S, F], chosen [L, S, E], both [L, S, F, E]."""
-        members = [text == s for s in range(S)]
         both = torch.stack([torch.stack([a[m].T @ layer[m] for m in members]) for layer in c])
         tokens = torch.stack([m.sum() for m in members]).double()
         return (tokens, torch.stack([a[m].sum(0) for m in members]), torch.stack([c[:, m].sum(1) for m in members], 1),
                 both)
 
     observed = text_sums(c)
-    step = max(1, 2**22 // observed[3][:, 0].numel())  # bootstrap samples at a time: about 4M cells [R, L, F, E]
+    step = max(1, 2**22 // max(1, observed[3][:, 0].numel()))  # samples at a time: about 4M cells [R, L, F, E]
 
     def mean_share(per_text: tuple[torch.Tensor, ...], draws: torch.Tensor) -> torch.Tensor:
-        """[R, L] the mean share of each sample of ``draws`` [R, S]."""
-        chunks = draws.split(step)
-        return torch.cat([_best_expert_information(*_summed(per_text, chunk), counted)[3] for chunk in chunks])
+        """[R, L] the plug-in mean share of each sample of ``draws`` [R, S]."""
+        return torch.cat([_best_expert_information(*_summed(per_text, chunk), every)[3] for chunk in draws.split(step)])
 
-    bits, best, share, layer_share = _best_expert_information(*_summed(observed), counted)
     gen = torch.Generator().manual_seed(seed)
-    boot = mean_share(observed, sequence_draws(S, num_boot, gen))  # [R, L]
+    draws = sequence_draws(S, num_boot, gen)  # [R, S]
+    boot = mean_share(observed, draws)  # [R, L]
+    corrected = (2 * plugin[0] - boot.nanmean(0)).clamp(0, 1)  # [L] plug-in less the bootstrap's bias
+    low, high = bootstrap_interval(boot, confidence)  # [L] each
+    interval = torch.stack([2 * plugin[0] - high, 2 * plugin[0] - low]).clamp(0, 1)  # [2, L] the basic interval
+    per_shuffle = draws[:max(1, -(-num_boot // num_shuffles))]  # [R / num_shuffles, S]
     everything = torch.ones(1, S, dtype=torch.float64)  # one sample: every text once
-    shuffled = torch.cat([mean_share(text_sums(c[:, _shuffled_order(len(a), within, gen)]), everything)
-                          for _ in range(num_shuffles)]).mean(0)  # [L]
+    shuffled = []
+    for _ in range(num_shuffles):
+        sums = text_sums(c[:, _shuffled_order(len(c[0]), within, gen)])
+        shuffled.append(2 * mean_share(sums, everything)[0] - mean_share(sums, per_shuffle).nanmean(0))  # [L]
     device = active.device
     return FeatureInformation(
         layers=layers, bits=bits.float().to(device), best_expert=best.to(device), share=share.float().to(device),
-        mean_share=layer_share[0].float().to(device),
-        mean_share_ci=bootstrap_interval(boot, confidence).float().to(device),
-        baseline=shuffled.float().to(device), counted=counted.to(device), confidence=confidence, num_sequences=S,
-        num_tokens=len(a))
+        mean_share=corrected.float().to(device), mean_share_ci=interval.float().to(device),
+        baseline=torch.stack(shuffled).mean(0).clamp(0, 1).float().to(device), counted=counted.to(device),
+        confidence=confidence, num_sequences=S, num_tokens=len(a), mean_share_plugin=plugin[0].float().to(device))
 
 
 def _summed(per_text: tuple[torch.Tensor, ...], draws: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:

@@ -24,6 +24,9 @@ Any probe of floating-point activations takes a dictionary over its last axis (t
 outputs, attention's latents and heads, the router's logits, each expert's output slot ``mlp.hook_expert_out``, the
 logits). Refused, with the reason: index probes (``gate.hook_topk_idx``), read-only ones (``hook_max_logit``: a
 replacement would change nothing) and activations that are not finite (``hook_attn_scores``, -inf where masked).
+A dictionary whose config says ``reshape_activations="hook_z"`` (SAELens's convention; ``train_sae`` on hook_z makes
+one) reads attention's heads together instead: hook_z [..., H, V] flattened to [..., H * V], one feature vector per
+token. A dictionary holding a NaN or an infinity is refused, naming the tensor.
 
 The features are the probe ``<probe>.hook_features`` [..., d_sae], a HookPoint added as a child of the probe's own
 module for the duration of the block, so ``run_with_cache``, ``model.hooks``, ``interventions.patch`` and nnsight
@@ -58,14 +61,18 @@ def splice(model: K2Model, probe: ProbeSpec, dictionary: nn.Module, keep_error: 
     transcoder, which encodes the activation of ``read_probe`` (it must fire first) and replaces ``write_probe``'s.
     ``keep_error=True`` adds back the reconstruction error (see the module docstring). The features probe is removed
     on exit, also after an error."""
-    if not (callable(getattr(dictionary, "encode", None)) and callable(getattr(dictionary, "decode", None))):
-        raise TypeError(f"dictionary must have encode(x) and decode(features) methods (a TopKSAE, a Transcoder or a "
-                        f"SAELens SAE); got {type(dictionary).__name__}")
+    _check_dictionary(dictionary, "splice")
+    if not isinstance(keep_error, bool):
+        raise TypeError(f"keep_error must be True or False, got {keep_error!r}")
     read, write = _probe_pair(model, probe)
     write_point = model.hook_point(write)
     if hasattr(write_point, FEATURES):
         raise RuntimeError(f"{write} already has a dictionary spliced in ({write}.{FEATURES}); exit that splice first")
     d_in, d_out = _widths(dictionary)
+    heads, flattens_itself = _reads_heads(dictionary)
+    if heads and read != write:
+        raise ValueError(f"splice: a dictionary of heads flattened (reshape_activations='hook_z') replaces the probe "
+                         f"it reads; got {read} -> {write}")
     parameter = next(iter(dictionary.parameters()), None)  # the dictionary's device and dtype, if it has weights
     read_inputs: list[torch.Tensor] = []  # a transcoder's input, from its read probe to its write probe
 
@@ -84,20 +91,29 @@ def splice(model: K2Model, probe: ProbeSpec, dictionary: nn.Module, keep_error: 
         if not torch.isfinite(x).all():  # -inf at masked attention scores: encode(x) would be NaN
             raise ValueError(f"splice: {read} holds non-finite values, which a dictionary cannot encode (attention "
                              f"scores are -inf where the mask hides a key: splice hook_pattern instead)")
-        if d_in is not None and x.shape[-1] != d_in:
+        if heads and (x.dim() < 2 or x.shape[-2] * x.shape[-1] != d_in):
+            raise ValueError(f"splice: {read} is {tuple(x.shape)} but the dictionary reads its last two axes "
+                             f"flattened (reshape_activations='hook_z') into d_in={d_in}")
+        if not heads and d_in is not None and x.shape[-1] != d_in:
             raise ValueError(f"splice: {read} is {x.shape[-1]} wide ({tuple(x.shape)}) but the dictionary encodes "
                              f"d_in={d_in}")
         if parameter is not None:
             x = x.to(parameter.device, parameter.dtype)
-        features = dictionary.encode(x)  # [..., d_sae]
-        if not isinstance(features, torch.Tensor) or features.shape[:-1] != x.shape[:-1]:
+        lead = x.shape[:-2] if heads else x.shape[:-1]  # one feature vector per token (heads: not per head)
+        features = dictionary.encode(x.flatten(-2) if heads and not flattens_itself else x)  # [..., d_sae]
+        if not isinstance(features, torch.Tensor) or features.shape[:-1] != lead:
             got = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
             raise ValueError(f"splice: the dictionary's encode maps {tuple(x.shape)} to {got}; expected "
-                             f"{tuple(x.shape[:-1])} + (d_sae,)")
-        clean = dictionary.decode(features) if keep_error else None  # [..., D] before any hook edits the features
+                             f"{tuple(lead)} + (d_sae,)")
+
+        def decode(f: torch.Tensor) -> torch.Tensor:  # [..., d_sae] -> [..., D], or [..., H, V] for heads
+            out = dictionary.decode(f)
+            return out.unflatten(-1, x.shape[-2:]) if heads and not flattens_itself else out
+
+        clean = decode(features) if keep_error else None  # [..., D] before any hook edits the features
         # A copy goes to the probe: its hooks (or nnsight) may edit it in place, and ``features`` stays as encoded.
         edited = features_point(features.clone() if keep_error else features)
-        recon = dictionary.decode(edited)  # [..., D]
+        recon = decode(edited)  # [..., D]
         if recon.shape != act.shape:
             width = f"d_out={d_out}" if d_out is not None else f"shape {tuple(recon.shape)}"
             raise ValueError(f"splice: the dictionary decodes to {width} but {write} is {act.shape[-1]} wide "
@@ -161,3 +177,32 @@ def _widths(dictionary: nn.Module) -> tuple[int | None, int | None]:
     declared = getattr(dictionary, "cfg", dictionary)
     d_in = getattr(declared, "d_in", None)
     return d_in, getattr(declared, "d_out", d_in)
+
+
+def _check_dictionary(dictionary: nn.Module, where: str) -> None:
+    """Refuse what cannot be a dictionary (no encode and decode), and one whose parameters hold a NaN or an infinity,
+    naming the tensor."""
+    if not (callable(getattr(dictionary, "encode", None)) and callable(getattr(dictionary, "decode", None))):
+        raise TypeError(f"dictionary must have encode(x) and decode(features) methods (a TopKSAE, a Transcoder or a "
+                        f"SAELens SAE); got {type(dictionary).__name__}")
+    if isinstance(dictionary, nn.Module):
+        _check_finite({f"the dictionary's {name}": p.detach() for name, p in dictionary.named_parameters()}, where)
+
+
+def _reads_heads(dictionary: nn.Module) -> tuple[bool, bool]:
+    """Whether the dictionary reads a probe's last two axes flattened (its config's reshape_activations is "hook_z",
+    SAELens's name: attention's heads [..., H, V] as one vector [..., H * V]), and whether it flattens them itself
+    (SAELens's SAE does, in encode, and unflattens in decode; k2lab's leaves it to its callers)."""
+    declared = getattr(dictionary, "cfg", dictionary)
+    heads = getattr(declared, "reshape_activations", "none") == "hook_z"
+    return heads, heads and bool(getattr(dictionary, "hook_z_reshaping_mode", False))
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Raise, naming the tensor, if any of ``tensors`` ({name: tensor}) holds a NaN or an infinity: a dictionary with
+    one makes every activation it touches NaN, and every logit after it."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not tensor.is_meta and not bool(tensor.isfinite().all()):
+            bad = int((~tensor.isfinite()).sum())
+            raise ValueError(f"{where}: {name} holds non-finite values ({bad} of {tensor.numel()} are NaN or "
+                             f"infinite); a dictionary with them makes every activation it reconstructs NaN")

@@ -245,14 +245,16 @@ print(exercises.check_feature_purity(solution_purity))
 # "expert e is chosen" (C), in bits, counts both directions and both outcomes. Divided by the feature's own entropy
 # H(A) it is a share: 1 when the feature is active exactly when the expert is chosen. `features.information` takes
 # each feature's best expert, averages the share over features active on 50 tokens or more (rarer ones are biased
-# upward), and bootstraps over texts (tokens of one text are not independent). **Predict**: at which layer is the
-# share of layer 3's transcoder features highest, and how much of it survives the within-token shuffle?
+# upward), and bootstraps over texts (tokens of one text are not independent). Counted from a finite sample, the
+# information is biased upward; the bootstrap measures that bias and `information` subtracts it from the share, its
+# interval and the baselines alike. **Predict**: at which layer is the share of layer 3's transcoder features highest,
+# and how much of it survives the within-token shuffle?
 
 # %%
 # NBVAL_CHECK_OUTPUT
 info = features.information(active, moe_trace.chosen(), moe_trace.sequences(), layers=moe_trace.routing.layers)
 info_within = features.information(active, moe_trace.chosen(), moe_trace.sequences(),
-                                   layers=moe_trace.routing.layers, within=tokens, num_boot=1)
+                                   layers=moe_trace.routing.layers, within=tokens, num_boot=50)
 for j, i in enumerate(info.layers):
     low, high = info.mean_share_ci[:, j].tolist()
     beyond = info.mean_share[j] - info_within.baseline[j]
@@ -557,8 +559,9 @@ with lab.folded(), interventions.splice(model, sae.probe, sae, keep_error=True):
 # %% [markdown]
 # ### Exercise 4 ★★ · Change a knob: rare features
 #
-# Run `features.information` on the transcoder's features with `min_active=10` and compare each layer's share with
-# its bootstrap interval. What happened, and why does the default count only features active on 50 tokens or more?
+# Run `features.information` on the transcoder's features with `min_active=10` and compare each layer's plug-in share
+# (`mean_share_plugin`) with the corrected one (`mean_share`) and its interval. How large is the correction, against
+# the default's, and why does the default count only features active on 50 tokens or more?
 
 # %%
 # your code here
@@ -568,18 +571,22 @@ with lab.folded(), interventions.splice(model, sae.probe, sae, keep_error=True):
 #
 # The plug-in estimate of information from few tokens is biased upward: a feature seen ten times looks tied to
 # whatever its ten tokens chose. A bootstrap resample repeats texts, which makes the feature's tokens look even more
-# alike. Where does that leave the estimate against its interval?
+# alike: the resamples' excess over the estimate measures the bias, which `information` subtracts.
 
 # %% [markdown] tags=["hint"]
 # **Hint 2 · the code**
 #
 # `features.information(active, moe_trace.chosen(), moe_trace.sequences(), layers=moe_trace.routing.layers,
-# min_active=10, num_boot=100)`, then for each layer `mean_share[j]` against `mean_share_ci[:, j]`.
+# min_active=10, num_boot=100)`, then for each layer `mean_share_plugin[j] - mean_share[j]`, against the same for
+# `info` (the default).
 
 # %% [markdown] tags=["solution"]
-# With rare features counted, the estimate falls below its own bootstrap interval: the plug-in information of a
-# feature seen ten times is biased upward, and a resample, which repeats texts, is biased more, so the resamples no
-# longer surround the estimate. Counting only features seen often keeps the bias small:
+# The plug-in information of a feature seen ten times is biased upward (it shares a lot with some expert by chance),
+# and a resample, which repeats texts, is biased about as much again: a plain percentile interval would lie wholly
+# above the estimate. `information` measures that bias by the resamples and subtracts it, so the corrected share sits
+# inside its interval; but with rare features counted the correction is about twice the default's, as large as the
+# interval is wide, and the answer leans on how well the bootstrap measures it. Counting only features seen often
+# keeps it small:
 
 # %% tags=["solution"]
 # Solution (click to show)
@@ -588,5 +595,6 @@ rare = features.information(active, moe_trace.chosen(), moe_trace.sequences(), l
 with lab.folded():
     for j, i in enumerate(rare.layers):
         low, high = rare.mean_share_ci[:, j].tolist()
-        print(f"layer {i}: {rare.mean_share[j]:.3f}, interval [{low:.3f}, {high:.3f}], "
-              f"inside: {low <= rare.mean_share[j].item() <= high}")
+        print(f"layer {i}: plug-in {rare.mean_share_plugin[j]:.3f}, corrected {rare.mean_share[j]:.3f} "
+              f"[{low:.3f}, {high:.3f}]: a correction of {rare.mean_share_plugin[j] - rare.mean_share[j]:.3f}, "
+              f"against {info.mean_share_plugin[j] - info.mean_share[j]:.3f} with the default min_active=50")

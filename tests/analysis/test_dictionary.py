@@ -5,6 +5,7 @@ and loading (also through SAELens), and the shipped dictionaries."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -292,3 +293,265 @@ def test_shipped_dictionaries_load_and_splice_into_nano(nano):
                 assert (model(ids) - clean).abs().max() <= 1e-6
     with pytest.raises(KeyError, match="no shipped dictionary named 'sae_nope'"):
         dl.load_shipped("sae_nope")
+
+
+# ---- what a dictionary refuses, and what it reports (issue 49) -------------------------------------------------------
+Z = "layers.3.self_attn.hook_z"  # [B, T, H, V]: K2-nano's 4 heads of 32
+
+
+def test_token_batches_pad_with_the_tokenizers_pad(nano):
+    _, tok = nano
+    [(ids, mask)] = dl.token_batches(tok, TEXTS, batch_size=3)
+    assert not mask.all() and (ids[~mask] == tok.special_tokens["[PAD]"]).all()  # not id 0, a real byte token
+    assert mask.sum(-1).tolist() == [len(tok.encode(t)) + 1 for t in TEXTS]  # each text and its EOS
+
+
+def test_evaluate_reports_the_cost_in_nats_and_a_mean_ablation(nano):
+    model, tok = nano
+    sae = randomized(dl.TopKSAE(128, 256, 8))
+    metrics = dl.evaluate(model, RESID, sae, TEXTS, batch_size=3)
+    [(ids, mask)] = dl.token_batches(tok, TEXTS, batch_size=3)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(ids, names=RESID, attention_mask=mask)
+        mean = cache[RESID][mask].mean(0)  # [128] over the real tokens only: no pad enters it
+        with model.hooks(fwd_hooks=[(RESID, lambda t, hook: mean.expand_as(t))]):
+            ablated = model(ids, attention_mask=mask)
+    scored = mask[:, 1:] & mask[:, :-1]
+    ce_mean = F.cross_entropy(ablated[:, :-1][scored], ids[:, 1:][scored]).item()
+    assert metrics.ce_mean == pytest.approx(ce_mean, rel=1e-5)
+    assert metrics.ce_cost == pytest.approx(metrics.ce_spliced - metrics.ce_clean)
+    assert metrics.ce_recovered_mean == pytest.approx(
+        (ce_mean - metrics.ce_spliced) / (ce_mean - metrics.ce_clean), rel=1e-6)
+    # The residual stream zeroed leaves next to the uniform distribution: a far lower bar than its mean.
+    assert metrics.ce_zero > ce_mean
+    assert {"ce_cost", "ce_mean", "ce_recovered", "ce_recovered_mean"} <= set(metrics.as_dict())
+    assert f"splicing costs {metrics.ce_cost:.3f} nats" in str(metrics) and "against mean-ablation" in str(metrics)
+    # Pads enter nothing: the same texts one at a time (no pads at all) give the same figures.
+    alone = dl.evaluate(model, RESID, sae, TEXTS, batch_size=1)
+    for name in ("fvu", "mean_l0", "dead_fraction", "ce_clean", "ce_spliced", "ce_zero", "ce_mean", "tokens"):
+        assert getattr(alone, name) == pytest.approx(getattr(metrics, name), rel=1e-4), name
+
+
+def test_training_that_runs_out_of_text_says_so(nano):
+    model, tok = nano
+    available = sum(len(tok.encode(t)) + 1 for t in TEXTS)  # about 60 tokens
+    with pytest.raises(ValueError, match=r"the texts ran out after \d+ tokens \(\d+ steps of 16\) of the 200,000 "
+                                         r"asked \(12500 steps\)"):
+        dl.train_sae(model, RESID, TEXTS, d_sae=64, k=4, tokens=200_000, batch_tokens=16, buffer_tokens=32,
+                     progress=False)
+    sae = dl.train_sae(model, RESID, TEXTS, d_sae=64, k=4, tokens=32, batch_tokens=16, buffer_tokens=32,
+                       progress=False)  # what the texts hold is enough
+    assert sae.metadata["k2lab_training"]["tokens"] == 32 < available
+
+
+def test_a_dictionary_of_attention_heads_flattened_as_saelens_trains_them(nano, tmp_path):
+    model, tok = nano
+    texts = ["\n".join(TEXTS * 60)]
+    sae = dl.train_sae(model, Z, texts, d_sae=256, k=16, tokens=1024, batch_tokens=256, buffer_tokens=512,
+                       progress=False)
+    assert (sae.d_in, sae.reshape_activations) == (4 * 32, "hook_z")
+    ids = torch.tensor([tok.encode(TEXTS[0])])
+    with torch.no_grad():
+        clean, cache = model.run_with_cache(ids, names=Z)
+        z = cache[Z]  # [1, T, 4, 32]
+        with splice(model, Z, sae, keep_error=True) as point:
+            kept, spliced_cache = model.run_with_cache(ids, names=[Z, point.name])
+        with splice(model, Z, sae):
+            _, replaced = model.run_with_cache(ids, names=Z)
+        want = sae(z.flatten(-2)).unflatten(-1, (4, 32))  # the heads flattened, reconstructed, put back
+    assert (kept - clean).abs().max() <= 1e-6
+    assert spliced_cache[point.name].shape == (1, z.shape[1], 256)  # one feature vector per token
+    torch.testing.assert_close(replaced[Z], want, rtol=1e-5, atol=1e-5)
+    metrics = dl.evaluate(model, Z, sae, TEXTS)
+    [(batch, mask)] = dl.token_batches(tok, TEXTS)
+    with torch.no_grad():
+        rows = model.run_with_cache(batch, names=Z, attention_mask=mask)[1][Z][mask].flatten(-2)  # [N, 128]
+        assert metrics.fvu == pytest.approx(dl.fraction_of_variance_unexplained(rows, sae(rows)), rel=1e-4)
+    assert metrics.tokens == len(rows) and metrics.mean_l0 == 16
+    x = z[0].flatten(-2)  # [T, 128]
+    loaded = dl.load(sae.save(tmp_path / "z"))
+    assert loaded.reshape_activations == "hook_z"
+    assert json.loads((tmp_path / "z" / "cfg.json").read_text())["reshape_activations"] == "hook_z"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), sae(x))
+    sae_lens = pytest.importorskip("sae_lens", reason="sae-lens is an optional test dependency")
+    theirs = sae_lens.SAE.load_from_disk(tmp_path / "z")  # SAELens reshapes hook_z itself: [..., H, V] in and out
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.encode(z[0]), sae.encode(x))
+        with splice(model, Z, theirs):
+            _, theirs_cache = model.run_with_cache(ids, names=Z)
+    torch.testing.assert_close(theirs_cache[Z], want, rtol=1e-5, atol=1e-5)
+
+
+def test_probes_of_other_layouts_are_refused_by_name(nano):
+    model, _ = nano
+    probe = "layers.3.self_attn.hook_q_nope"
+    with pytest.raises(ValueError, match=rf"{probe} is \[1, 2, 4, 32\]: dictionaries train on \[B, T, D\] probes and "
+                                         rf"on hook_z"):
+        dl.train_sae(model, probe, TEXTS, d_sae=64, k=4, progress=False)
+    with pytest.raises(ValueError, match=rf"{Z}'s rows are 128 wide \(heads flattened: reshape_activations='hook_z'\),"
+                                         rf" but the TopKSAE reads 32"):
+        dl.train_dictionary(model, dl.TopKSAE(32, 64, 4), Z, TEXTS, progress=False)
+    with pytest.raises(ValueError, match=rf"evaluate: {Z} is \[3, \d+, 4, 32\]; a dictionary of it reads the heads"):
+        dl.evaluate(model, Z, dl.TopKSAE(32, 64, 4), TEXTS, batch_size=3)
+
+
+def test_a_dictionary_with_nan_weights_is_refused_in_memory_and_in_its_file(nano, tmp_path):
+    model, _ = nano
+    sae = randomized(dl.TopKSAE(128, 64, 4, {"hook_name": RESID}))
+    folder = sae.save(tmp_path / "sae")
+    with torch.no_grad():
+        sae.W_dec[3, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"splice: the dictionary's W_dec holds non-finite values \(1 of 8192"):
+        with splice(model, RESID, sae):
+            pass
+    with pytest.raises(ValueError, match=r"W_dec holds non-finite values"):
+        dl.evaluate(model, RESID, sae, TEXTS)
+    with pytest.raises(ValueError, match=r"TopKSAE.save: W_dec holds non-finite values"):
+        sae.save(tmp_path / "nan")
+    assert not (tmp_path / "nan").exists()
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "sae_weights.safetensors")
+    save_file({**weights, "b_enc": torch.full((64,), float("inf"))}, folder / "sae_weights.safetensors")
+    with pytest.raises(ValueError, match=r"sae_weights.safetensors: b_enc holds non-finite values \(64 of 64"):
+        dl.load(folder)
+    save_file({**weights, "W_enc": weights["W_enc"].to(torch.int32)}, folder / "sae_weights.safetensors")
+    with pytest.raises(ValueError, match=r"sae_weights.safetensors: W_enc is int32; a dictionary's weights are "
+                                         r"floating point"):
+        dl.load(folder)
+
+
+def test_fit_refuses_what_no_step_can_train_on():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=g)
+    sae = dl.TopKSAE(16, 32, 4)
+    for steps in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=rf"steps must be a positive integer, got {steps!r}"):
+            dl.fit(sae, [[x]], steps=steps, progress=False)
+    with pytest.raises(ValueError, match="aux_k must be a positive integer, got -1"):
+        dl.fit(sae, [[x]], steps=1, aux_k=-1, progress=False)
+    with pytest.raises(ValueError, match=r"lr must be a number > 0, got nan"):
+        dl.fit(sae, [[x]], steps=1, lr=float("nan"), progress=False)
+    poisoned = x.clone()
+    poisoned[5, 2] = float("nan")
+    before = [p.detach().clone() for p in sae.parameters()]
+    with pytest.raises(ValueError, match=r"fit: batch 1's x has NaN or infinite values \(row 5 of 64, 1 rows in all\)"):
+        dl.fit(sae, [[x], [poisoned]], steps=5, progress=False)
+    assert all(p.isfinite().all() for p in sae.parameters()) and len(before) == 4
+    with pytest.raises(ValueError, match=r"fit: batch 0's x is torch.float32 \[64, 8\]; the TopKSAE trains on float "
+                                         r"rows \[N, d_in=16\]"):
+        dl.fit(sae, [[x[:, :8]]], steps=1, progress=False)
+    with pytest.raises(ValueError, match=r"fit: batch 0's x has no variance \(all 64 rows are the same\)"):
+        dl.fit(sae, [[torch.ones(64, 16)]], steps=1, progress=False)
+    transcoder = dl.Transcoder(16, 12, 32, 4)
+    with pytest.raises(ValueError, match=r"fit: batch 0's x is all zeros"):
+        dl.fit(transcoder, [[torch.zeros(64, 16), x[:, :12]]], steps=1, progress=False)
+    with pytest.raises(ValueError, match=r"fit: batch 0's y is torch.float32 \[64, 16\]; the Transcoder trains on "
+                                         r"float rows \[N, d_out=12\]"):
+        dl.fit(transcoder, [[x]], steps=1, progress=False)
+
+
+def test_training_names_a_bad_argument(nano):
+    model, _ = nano
+    with pytest.raises(TypeError, match=r"texts must be a list of strings, got one string \(32 characters\)"):
+        dl.train_sae(model, RESID, TEXTS[0], progress=False)
+    with pytest.raises(TypeError, match=r"texts\[1\] is a int; texts are strings"):
+        dl.evaluate(model, RESID, dl.TopKSAE(128, 64, 4), [TEXTS[0], 3])
+    for name in ("context", "batch_size"):
+        with pytest.raises(ValueError, match=rf"{name} must be a positive integer, got 0"):
+            dl.train_sae(model, RESID, TEXTS, **{name: 0}, progress=False)
+        with pytest.raises(ValueError, match=rf"{name} must be a positive integer, got 0"):
+            dl.evaluate(model, RESID, dl.TopKSAE(128, 64, 4), TEXTS, **{name: 0})
+    with pytest.raises(ValueError, match="aux_k must be a positive integer, got -1"):
+        dl.train_sae(model, RESID, TEXTS, aux_k=-1, progress=False)
+    with pytest.raises(ValueError, match=r"buffer_tokens=100 cannot fill one step of batch_tokens=256"):
+        dl.train_sae(model, RESID, TEXTS, batch_tokens=256, buffer_tokens=100, progress=False)
+    with pytest.raises(ValueError, match=r"layers.3.hook_resid_post's rows are 128 wide, but the TopKSAE reads 64"):
+        dl.train_dictionary(model, dl.TopKSAE(64, 64, 4), RESID, TEXTS, progress=False)
+    with pytest.raises(ValueError, match=r"evaluate: layers.3.hook_resid_post's rows are 128 wide \(\[3, \d+, 128\]\) "
+                                         r"but the dictionary encodes d_in=64"):
+        dl.evaluate(model, RESID, dl.TopKSAE(64, 64, 4), TEXTS)
+    with pytest.raises(TypeError, match="dictionary must have encode.* got Linear"):
+        dl.evaluate(model, RESID, torch.nn.Linear(128, 128), TEXTS)
+
+
+def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path):
+    old = randomized(dl.TopKSAE(16, 64, 5, {"hook_name": RESID}), seed=1)
+    folder = old.save(tmp_path / "sae")
+    (folder / "notes.txt").write_text("mine")  # a file of the user's, beside the dictionary
+    new = randomized(dl.TopKSAE(16, 64, 5, {"hook_name": RESID}), seed=2)
+
+    def broken() -> dict:
+        raise OSError("disk full")
+
+    new.config = broken  # the failure comes while cfg.json is written, after the weights
+    with pytest.raises(OSError, match="disk full"):
+        new.save(folder)
+    kept = dl.load(folder)
+    assert torch.equal(kept.W_enc, old.W_enc)  # the old weights under the old config
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sae"]  # no staging folder left, beside or inside
+    assert sorted(p.name for p in folder.iterdir()) == ["cfg.json", "notes.txt", "sae_weights.safetensors"]
+    assert (folder / "notes.txt").read_text() == "mine"
+    del new.config
+    new.save(folder)
+    assert torch.equal(dl.load(folder).W_enc, new.W_enc) and (folder / "notes.txt").read_text() == "mine"
+    with pytest.raises(NotADirectoryError, match="exists and is not a folder"):
+        new.save(folder / "notes.txt")
+
+
+def test_load_names_the_file_and_the_field(tmp_path):
+    folder = randomized(dl.TopKSAE(16, 64, 5)).save(tmp_path / "sae")
+    config, weights = folder / "cfg.json", folder / "sae_weights.safetensors"
+    cfg = json.loads(config.read_text())
+    config.write_text("{not json")
+    with pytest.raises(ValueError, match=r"cfg.json is not valid JSON"):
+        dl.load(folder)
+    config.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"cfg.json must hold a JSON object \(the dictionary's fields\), got a list"):
+        dl.load(folder)
+    config.write_text(json.dumps({key: value for key, value in cfg.items() if key != "d_sae"}))
+    with pytest.raises(ValueError, match=r"cfg.json has no d_sae \(a topk dictionary's sizes\)"):
+        dl.load(folder)
+    config.write_text(json.dumps({**cfg, "d_in": "16"}))
+    with pytest.raises(ValueError, match=r"cfg.json: d_in must be a positive integer, got '16'"):
+        dl.load(folder)
+    config.write_text(json.dumps({**cfg, "metadata": ["hook_name"]}))
+    with pytest.raises(ValueError, match=r"cfg.json: metadata must be a JSON object, got a list"):
+        dl.load(folder)
+    config.write_text(json.dumps({**cfg, "d_in": 8}))
+    with pytest.raises(ValueError, match=r"sae_weights.safetensors: W_enc is \[16, 64\] but cfg.json gives \[8, 64\] "
+                                         r"\(d_in=8, d_sae=64, k=5\)"):
+        dl.load(folder)
+    config.write_text(json.dumps(cfg))
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r"sae_weights.safetensors is not a readable safetensors file"):
+        dl.load(folder)
+    weights.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"sae_weights.safetensors is not a readable safetensors file"):
+        dl.load(folder)
+    from safetensors.torch import save_file
+
+    save_file({"W_enc": torch.zeros(16, 64)}, weights)
+    with pytest.raises(ValueError, match=r"sae_weights.safetensors has no tensor b_enc \(it holds \['W_enc'\]\)"):
+        dl.load(folder)
+
+
+def test_a_failed_first_save_leaves_nothing(tmp_path):
+    sae = randomized(dl.TopKSAE(16, 64, 5))
+
+    def broken() -> dict:
+        raise OSError("disk full")
+
+    sae.config = broken
+    with pytest.raises(OSError, match="disk full"):
+        sae.save(tmp_path / "new")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ce_recovered_is_undefined_where_the_ablation_costs_nothing():
+    assert math.isnan(dl.ce_recovered(ce_clean=3.0, ce_spliced=3.1, ce_zero=3.0))
+    metrics = dl.DictionaryMetrics(fvu=0.1, mean_l0=4.0, dead_fraction=0.0, ce_clean=3.0, ce_spliced=3.1, ce_zero=9.0,
+                                   ce_mean=3.0, tokens=10)
+    assert math.isnan(metrics.ce_recovered_mean) and "nan% against mean-ablation" in str(metrics)

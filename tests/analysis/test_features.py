@@ -84,9 +84,10 @@ def test_mutual_information_is_the_experts_entropy_for_a_pure_feature(constructe
         assert info.bits[0, f].item() == pytest.approx(want, rel=1e-6, abs=1e-12)
     assert info.share[0, 1].item() < 0.01  # shuffled free of the routing: next to nothing
     assert not info.counted[3] and math.isnan(info.bits[0, 3])
-    assert info.mean_share[0].item() == pytest.approx(info.share[0, :3].mean().item(), rel=1e-6)
+    assert info.mean_share_plugin[0].item() == pytest.approx(info.share[0, :3].mean().item(), rel=1e-6)
     low, high = info.mean_share_ci[:, 0].tolist()
     assert low <= info.mean_share[0].item() <= high
+    assert info.mean_share[0] < info.mean_share_plugin[0]  # the correction takes the plug-in's upward bias off
     assert info.baseline[0].item() < 0.01  # shuffling the routing cuts every link
     assert (info.num_sequences, info.num_tokens) == (40, 2000)
 
@@ -94,11 +95,14 @@ def test_mutual_information_is_the_experts_entropy_for_a_pure_feature(constructe
 def test_the_bootstrap_resamples_texts(constructed):
     active, chosen, sequences = constructed
     # Forty copies of one text: every resample holds the same counts in proportion, so the interval is a point.
-    copies = fx.information(active[:50].repeat(40, 1), chosen[:50].repeat(40, 1)[None], sequences, num_boot=50)
+    copies = fx.information(active[:50].repeat(40, 1), chosen[:50].repeat(40, 1)[None], sequences, layers=[1],
+                            num_boot=50)
     torch.testing.assert_close(copies.mean_share_ci[0], copies.mean_share_ci[1])
-    one_text = fx.information(active, chosen[None], torch.zeros(2000, dtype=torch.long), num_boot=50)
+    one_text = fx.information(active, chosen[None], torch.zeros(2000, dtype=torch.long), layers=[1], num_boot=50)
     torch.testing.assert_close(one_text.mean_share_ci[:, 0], one_text.mean_share.expand(2))  # nothing to resample
-    first, second = (fx.information(active, chosen[None], sequences, num_boot=50, seed=3) for _ in range(2))
+    torch.testing.assert_close(one_text.mean_share, one_text.mean_share_plugin)  # and no bias to measure
+    first, second = (fx.information(active, chosen[None], sequences, layers=[1], num_boot=50, seed=3)
+                     for _ in range(2))
     assert torch.equal(first.mean_share_ci, second.mean_share_ci)  # seeded
 
 
@@ -111,6 +115,68 @@ def test_information_per_layer_keeps_the_layers_apart(constructed):
     assert info.mean_share_ci[0, 0] > info.mean_share_ci[1, 1]  # the intervals do not touch
 
 
+
+def linked_features(generator: torch.Generator, texts: int, per_text: int, experts: int, features: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """A population whose mean share is known: each expert is chosen with a rate of its text's (0.25 +- 0.1, so tokens
+    of a text are not independent); features 0..F/2-1 follow an expert, each flipped with a probability eps_f, the
+    rest fire at their own rate whatever the routing. Returns active [N, F], chosen [N, E], sequences [N] and the
+    population's mean over features of max_e I(A_f; C_e) / H(A_f). For a linked feature the best expert is its own
+    (A depends on the routing only through it), I = H(p_a) - H(eps), p_a = p_c (1 - eps) + (1 - p_c) eps, p_c = 0.25
+    (the mean of the texts' rates); for the others I = 0."""
+    N = texts * per_text
+    sequences = torch.arange(N) // per_text
+    rates = 0.25 + 0.1 * (2 * torch.rand(texts, experts, generator=generator) - 1)  # [S, E]
+    chosen = torch.rand(N, experts, generator=generator) < rates[sequences]  # [N, E]
+    linked = features // 2
+    eps = torch.linspace(0.15, 0.4, linked).tolist()
+    flips = torch.rand(N, linked, generator=generator) < torch.tensor(eps)  # [N, F/2]
+    rates_free = torch.linspace(0.1, 0.4, features - linked)
+    free = torch.rand(N, features - linked, generator=generator) < rates_free  # [N, F/2]
+    active = torch.cat([chosen[:, torch.arange(linked) % experts] ^ flips, free], 1)  # [N, F]
+    shares = [1 - bernoulli_bits(e) / bernoulli_bits(0.25 * (1 - e) + 0.75 * e) for e in eps]
+    return active, chosen, sequences, sum(shares) / features
+
+
+def test_the_interval_covers_a_known_information():
+    """500 tokens in 20 texts, 48 features, 16 experts: the plug-in mean share lies above the truth by more than the
+    resamples' spread (averaging over features shrinks the noise, not the bias), so a percentile interval covers the
+    truth 0.07 of the time and misses its own estimate 0.27 of the time (the plain percentile interval, over 400
+    populations). The corrected one must hold its estimate and cover the truth about as often as it claims, 0.95
+    (0.95 over the same 400; 37 of these 40)."""
+    g = torch.Generator().manual_seed(11)
+    trials, covered, held, results = 40, 0, 0, []
+    for trial in range(trials):
+        active, chosen, sequences, truth = linked_features(g, texts=20, per_text=25, experts=16, features=48)
+        info = fx.information(active, chosen[None], sequences, layers=[1], min_active=20, num_boot=100,
+                              num_shuffles=1, seed=trial)
+        low, high = info.mean_share_ci[:, 0].tolist()
+        covered += low <= truth <= high
+        held += low <= info.mean_share[0].item() <= high
+        results.append((info, truth))
+    assert held == trials  # the interval holds its own estimate
+    assert covered / trials >= 0.85
+    bias = sum(info.mean_share_plugin[0].item() - truth for info, truth in results) / trials
+    corrected = sum(info.mean_share[0].item() - truth for info, truth in results) / trials
+    assert bias > 0.005 and abs(corrected) < bias / 4  # the correction takes most of the plug-in's bias off
+
+
+def test_information_labels_its_rows_by_model_layer(nano):
+    model, _ = nano
+    sae = random_dictionary(TopKSAE(128, 96, 6, {"hook_name": "layers.3.hook_resid_post"}))
+    ft = fx.trace_features(model, sae, TEXTS, batch_size=2, progress=False)
+    info = fx.information(ft, min_active=1, num_boot=5, num_shuffles=1)
+    assert info.layers == ft.routing.layers == [1, 2, 3, 4, 5]  # K2-nano's block 0 is dense
+    given = fx.information(ft.active(), ft.chosen(), ft.sequences(), layers=ft.routing.layers, min_active=1,
+                           num_boot=5, num_shuffles=1)
+    torch.testing.assert_close(given.share, info.share, equal_nan=True)
+    with pytest.raises(ValueError, match=r"give layers=, the model layer of each of chosen's 5 rows"):
+        fx.information(ft.active(), ft.chosen(), ft.sequences())
+    with pytest.raises(TypeError, match="reads chosen, sequences and layers from the trace; drop layers"):
+        fx.information(ft, layers=[0, 1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"layers must be model layer indices \(ints\), got \['1', '2', '3', "):
+        fx.information(ft.active(), ft.chosen(), ft.sequences(), layers=list("12345"))
+
 def test_shuffling_within_token_ids_keeps_what_the_token_explains():
     g = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, 30, (3000,), generator=g)  # [N] token ids
@@ -122,8 +188,9 @@ def test_shuffling_within_token_ids_keeps_what_the_token_explains():
     assert not torch.equal(order, torch.arange(3000))
     p = fx.purity(active, chosen, within=tokens)
     torch.testing.assert_close(p.baseline, p.purity)  # routing is the token's: nothing left to shuffle away
-    info = fx.information(active, chosen[None], torch.arange(3000) // 100, within=tokens, num_boot=10)
-    torch.testing.assert_close(info.baseline, info.mean_share)
+    info = fx.information(active, chosen[None], torch.arange(3000) // 100, layers=[1], within=tokens, num_boot=10)
+    low, high = info.mean_share_ci[:, 0].tolist()
+    assert low <= info.baseline[0].item() <= high  # the same counts, corrected from resamples of their own
     assert fx.purity(active, chosen).baseline[0] < p.purity[0] - 0.1  # a plain shuffle does cut the link
     with pytest.raises(ValueError, match=r"within must be None or integer labels \[N\] = \[3000\]"):
         fx.purity(active, chosen, within=tokens[:10])
@@ -219,15 +286,19 @@ def test_features_refuse_what_they_cannot_measure(nano, constructed):
     with pytest.raises(ValueError, match=r"chosen must be a bool tensor \[N, E\] .* N = 2000"):
         fx.purity(active, chosen[:10])
     with pytest.raises(ValueError, match=r"chosen must be a bool tensor \[L_moe, N, E\]"):
-        fx.information(active, chosen, sequences)
+        fx.information(active, chosen, sequences, layers=[1])
     with pytest.raises(ValueError, match="layers names 2 layers but chosen holds 1"):
         fx.information(active, chosen[None], sequences, layers=[1, 2])
     with pytest.raises(ValueError, match=r"sequences must be integer text indices \[N\]"):
-        fx.information(active, chosen[None], sequences.float())
+        fx.information(active, chosen[None], sequences.float(), layers=[1])
+    with pytest.raises(ValueError, match=r"sequences must be integer text indices \[N\] = \[2000\], got list"):
+        fx.information(active, chosen[None], sequences.tolist(), layers=[1])
+    with pytest.raises(ValueError, match="no feature is active on min_active=2001 tokens or more"):
+        fx.information(active, chosen[None], sequences, layers=[1], min_active=2001)
     with pytest.raises(ValueError, match="num_boot must be a positive integer, got 0"):
-        fx.information(active, chosen[None], sequences, num_boot=0)
+        fx.information(active, chosen[None], sequences, num_boot=0, layers=[1])
     with pytest.raises(ValueError, match="confidence must lie in"):
-        fx.information(active, chosen[None], sequences, confidence=1.0)
+        fx.information(active, chosen[None], sequences, confidence=1.0, layers=[1])
     with pytest.raises(ValueError, match="records no probe; pass probe="):
         fx.trace_features(model, TopKSAE(128, 64, 4), TEXTS)
     with pytest.raises(ValueError, match="writes an MoE layer's hook_mlp_out .* got layers.3.hook_resid_post"):

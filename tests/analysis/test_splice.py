@@ -230,6 +230,26 @@ def test_splice_refuses_what_it_cannot_do(model, ids):
     assert "hook_features" not in " ".join(model.hook_names())
 
 
+
+@pytest.mark.parametrize("keep_error", ["no", 0, None, 1.0])
+def test_keep_error_is_true_or_false(model, keep_error):
+    with pytest.raises(TypeError, match=rf"keep_error must be True or False, got {keep_error!r}"):
+        with splice(model, RESID, random_sae(), keep_error=keep_error):
+            pass
+    assert "hook_features" not in " ".join(model.hook_names())
+
+
+def test_a_dictionary_of_heads_flattened_is_refused_where_it_cannot_read(model, ids):
+    z = "layers.1.self_attn.hook_z"
+    heads = TopKSAE(TINY.num_attention_heads * TINY.v_head_dim, 64, 4, reshape_activations="hook_z")
+    with pytest.raises(ValueError, match=f"reshape_activations='hook_z'\\) replaces the probe it reads; got {z}"):
+        with splice(model, (z, "layers.1.hook_attn_out"), heads):
+            pass
+    with pytest.raises(ValueError, match=f"splice: {RESID} is \\(2, 9, {D}\\) but the dictionary reads its last two "
+                                         f"axes flattened"), torch.no_grad():
+        with splice(model, RESID, heads):
+            model(ids)
+
 def test_splicing_takes_transformerlens_spellings(model, ids, clean):
     with torch.no_grad(), splice(model, "blocks.1.hook_resid_post", random_sae(), keep_error=True) as features:
         assert features.name == FEATURES
