@@ -1,9 +1,12 @@
-"""What the checkers' tests share (tests/lab/test_checkers_*.py): asserting a verdict, and a learner's own BPE, the
-right rule written from its definition (count pairs, merge the most frequent, repeat) for the wrong ones to vary."""
+"""What the checkers' tests share (tests/lab/test_checkers_*.py): asserting a verdict, a learner's own BPE (the right
+rule written from its definition: count pairs, merge the most frequent, repeat) and a learner's own MLA from its
+weights, naive and absorbed, for the wrong answers to vary."""
 
 from __future__ import annotations
 
 from collections import Counter
+
+import torch
 
 from k2lab.lab import exercises as ex
 
@@ -57,3 +60,56 @@ def learn_merges(sequences, weights, num_merges, pick=max):
         merges.append(pair)
         sequences = [merge_pair(seq, pair) for seq in sequences]
     return merges
+
+
+# --- MLA from its weights, as the learner writes it (03) ----------------------------------------------------------
+
+
+def rms_norm(x, weight, eps):
+    return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rotate_half(x, cos, sin, deinterleave=True):
+    if deinterleave:  # the checkpoint's pairs (x0, x1), (x2, x3), ... -> evens first, then odds
+        x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-b, a], dim=-1) * sin
+
+
+def mla_inputs(w, cfg, x, cos, sin, kv_norm=True, deinterleave=True):
+    """The queries' parts, the normalised latent c_KV and the rotated shared key, as the learner computes them."""
+    H, N, R, C = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    B, T, _ = x.shape
+    c_q = rms_norm(x @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"], cfg.rms_norm_eps)
+    q = (c_q @ w["q_b_proj.weight"].T).view(B, T, H, N + R)
+    q_nope, q_pe = q[..., :N], rotate_half(q[..., N:], cos[:, None], sin[:, None], deinterleave)
+    kv_a = x @ w["kv_a_proj_with_mqa.weight"].T
+    c_kv = rms_norm(kv_a[..., :C], w["kv_a_layernorm.weight"], cfg.rms_norm_eps) if kv_norm else kv_a[..., :C]
+    return q_nope, q_pe, c_kv, rotate_half(kv_a[..., C:], cos, sin, deinterleave)
+
+
+def causal(scores):
+    T = scores.shape[-1]
+    return scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+
+
+def mla(w, cfg, x, cos, sin, kv_norm=True, deinterleave=True, mask=causal):
+    H, N, V = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    B, T, _ = x.shape
+    q_nope, q_pe, c_kv, k_pe = mla_inputs(w, cfg, x, cos, sin, kv_norm, deinterleave)
+    kv = (c_kv @ w["kv_b_proj.weight"].T).view(B, T, H, N + V)
+    k_nope, v = kv[..., :N], kv[..., N:]
+    scores = torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
+    pattern = mask(scores * cfg.softmax_scale).softmax(-1)
+    return torch.einsum("bhts,bshv->bthv", pattern, v).flatten(2) @ w["o_proj.weight"].T
+
+
+def mla_absorbed(w, cfg, x, cos, sin, scale=None):
+    H, N, V, C = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    q_nope, q_pe, c_kv, k_pe = mla_inputs(w, cfg, x, cos, sin)
+    w_uk, w_uv = w["kv_b_proj.weight"].view(H, N + V, C).split([N, V], dim=1)
+    query = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w_uk), q_pe], dim=-1)  # [W_UK^T q_nope ; q_pe]
+    keys = torch.cat([c_kv, k_pe], dim=-1)  # [c_KV ; k_pe]: one key per position, shared by every head
+    scores = torch.einsum("bthc,bsc->bhts", query, keys) * (cfg.softmax_scale if scale is None else scale)
+    latent_out = torch.einsum("bhts,bsc->bthc", causal(scores).softmax(-1), c_kv)
+    return torch.einsum("bthc,hvc->bthv", latent_out, w_uv).flatten(2) @ w["o_proj.weight"].T
