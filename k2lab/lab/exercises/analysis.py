@@ -12,21 +12,25 @@ from ...analysis.accounting import block_parameters, kv_cache_bytes
 from ...analysis.routing import max_violation
 from ...config import K2Config
 from ...model.layers import RMSNorm
-from .checking import Verdict, call, checker, compare, generator
+from .checking import Verdict, call, checker, compare, generator, named
 
 # --- 05: MaxVio ---------------------------------------------------------------------------------------------------
 
 
 @checker
 def check_max_violation(fn: Callable) -> Verdict:
-    """``fn(counts [L, E]) -> [L]``: MaxVio = max_e c_e / mean_e c_e - 1, against ``k2lab.routing.max_violation``."""
-    counts = torch.tensor([[10, 30, 20, 20, 0, 40], [25, 25, 25, 25, 25, 25], [0, 0, 90, 30, 0, 30]])
+    """``fn(counts [L, E]) -> [L]``: MaxVio = max_e c_e / mean_e c_e - 1, against ``k2lab.routing.max_violation``.
+    The counts are integers (``torch.bincount``'s), with rows whose mean is fractional (151 / 6) and one whose
+    idlest expert is further from the mean than its busiest ([31, 30, 30, 30, 30, 0])."""
+    counts = torch.tensor([[10, 30, 20, 20, 0, 40], [25, 25, 25, 25, 25, 25], [0, 0, 90, 30, 0, 30],
+                           [31, 30, 30, 30, 30, 0]])
     expected = max_violation(counts).double()
-    out, error = call(fn, counts.clone())
+    out, error = call(fn, counts.clone(), own={max_violation: "max_violation"})
     if error is not None:
         return error
     c = counts.double()
     mean, top = c.mean(-1), c.amax(-1)
+    floored = (counts.sum(-1) // counts.shape[-1]).double()
     mistakes = [
         ("you forgot the - 1: MaxVio is 0 when balanced", top / mean),
         ("you gave a percentage; MaxVio is a fraction (0.5, not 50)", 100 * (top / mean - 1)),
@@ -34,8 +38,14 @@ def check_max_violation(fn: Callable) -> Verdict:
         ("(max - min) / mean is a spread, not MaxVio: compare the busiest expert with the mean",
          (top - c.amin(-1)) / mean),
         ("that is the coefficient of variation (std / mean), not MaxVio", c.std(-1) / mean),
+        ("that is the coefficient of variation (std / mean), not MaxVio", c.std(-1, correction=0) / mean),
         ("you reduced over the wrong dimension: one value per layer, over its experts",
          c.amax(0) / c.mean(0) - 1),
+        ("max |c - mean| / mean also counts the idlest expert ([31, 30, 30, 30, 30, 0] gives 1.0 for its 0); MaxVio "
+         "is about the busiest one: max c / mean - 1", (c - mean[:, None]).abs().amax(-1) / mean),
+        ("your mean is rounded down (integer division, //): the mean load here is 151 / 6 = 25.17; divide with / "
+         "(counts.float().mean(-1))", top / floored - 1),
+        ("you divided by the median load; MaxVio divides by the mean", top / c.median(-1).values - 1),
     ]
     return compare("MaxVio", out, expected, mistakes)
 
@@ -76,6 +86,13 @@ def check_logit_attribution(fn: Callable) -> Verdict:
             ("you divided by the term's own rms; the norm's scale is frozen at the whole stream's, rms(x_L)",
              (u * w * c).sum() / (c.pow(2).mean() + eps).sqrt()),
             ("you forgot the norm's weight g", (u * c).sum() / rms),
+            ("you used the sum of squares: rms(x_L) = sqrt(MEAN(x_L²) + eps), as RMSNorm computes it",
+             (u * w * c).sum() / (x_final.pow(2).sum() + eps).sqrt()),
+            ("you used the sum of squares without eps: rms(x_L) = sqrt(MEAN(x_L²) + eps)",
+             (u * w * c).sum() / x_final.pow(2).sum().sqrt()),
+            ("you divided by mean(x_L²) + eps, the mean square; divide by its square root",
+             (u * w * c).sum() / (ms + eps)),
+            ("you multiplied by rms(x_L); the final norm divides by it", (u * w * c).sum() * rms),
         ]
         verdict = compare("attribution", out, expected, mistakes)
         if not verdict.ok:
@@ -96,13 +113,12 @@ def check_patch_hook(fn: Callable) -> Verdict:
     act, source, positions = torch.randn(2, 5, 3, generator=g), torch.randn(2, 5, 3, generator=g), [1, 3]
     expected = act.clone()
     expected[:, positions] = source[:, positions]
-    given = act.clone()
-    out, error = call(fn, given, source.clone(), list(positions))
+    out, error = call(fn, act.clone(), source.clone(), list(positions), in_place={
+        0: "another probe or cache may hold that very tensor; clone it, then write into the copy",
+        1: "the source is the other run's activation, which its cache may be asked for again; build your answer in a "
+           "copy of the activation (activation.clone()) and read the source"})
     if error is not None:
         return error
-    if not torch.equal(given, act):
-        return Verdict(False, "you changed the activation in place: another probe or cache may hold that very tensor; "
-                              "clone it, then write into the copy")
     others = source.clone()
     others[:, positions] = act[:, positions]
     batch = act.clone()
@@ -116,6 +132,15 @@ def check_patch_hook(fn: Callable) -> Verdict:
 # --- 08: KV-cache bytes -------------------------------------------------------------------------------------------
 
 
+def as_count(out: object) -> int | None:
+    """The learner's count as an int: an int, an integral float, or a one-element tensor of either; else None."""
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        out = out.item()
+    if isinstance(out, float) and out.is_integer():
+        out = int(out)
+    return out if isinstance(out, int) and not isinstance(out, bool) else None
+
+
 @checker
 def check_kv_cache_bytes(fn: Callable) -> Verdict:
     """``fn(cfg: K2Config, tokens: int) -> int``: bytes of the latent KV cache in bfloat16 over all layers,
@@ -123,22 +148,36 @@ def check_kv_cache_bytes(fn: Callable) -> Verdict:
     for cfg, name in ((K2Config.kimi_k2(), "Kimi K2"), (K2Config.nano(), "K2-nano")):
         for tokens in (1, 1000):
             expected = kv_cache_bytes(cfg, tokens)
-            out, error = call(fn, cfg, tokens)
+            out, error = call(fn, cfg, tokens, own={kv_cache_bytes: "kv_cache_bytes"})
+            where = f"{name}, {tokens} tokens"
             if error is not None:
                 return error
-            if out == expected:
+            count = as_count(out)
+            if count is None:
+                got = f"a {type(out).__name__}" + (f" of shape {list(out.shape)}" if isinstance(out, torch.Tensor)
+                                                   else f" ({out!r})" if isinstance(out, float) else "")
+                return named(f"return the number of bytes as one int, got {got}", where)
+            if count == expected:
                 continue
             L, C, R = cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim
             mistakes = {
                 tokens * (C + R) * 2: "you counted one layer; every layer has its own cache",
-                tokens * (C + R) * 4 * L: "4 bytes per value: the cache is bfloat16, 2 bytes",
+                tokens * (C + R) * 4 * L: "twice the right count: either 4 bytes per value (the cache is bfloat16, 2 "
+                                          "bytes), or the latent counted twice, once for the keys and once for the "
+                                          "values (MLA caches one c_KV and one k_pe per token, and makes both keys "
+                                          "and values from them)",
+                tokens * (2 * C + R) * 2 * L: "you counted c_KV twice, once for the keys and once for the values: "
+                                              "MLA caches one latent per token, from which both are made",
                 tokens * C * 2 * L: "you forgot the shared rotary key k_pe (qk_rope_head_dim values)",
                 tokens * R * 2 * L: "you forgot the latent c_KV (kv_lora_rank values)",
+                tokens * (C + R) * L: "1 byte per value: the cache is bfloat16, 2 bytes",
                 kv_cache_bytes(cfg, tokens, layout="expanded"): "that is the expanded cache (every head's keys and "
                                                                 "values); MLA caches the latent",
+                tokens * (C + R) * 2 * L * 8: "you counted bits; the answer is in bytes (2 per bfloat16 value)",
             }
-            message = mistakes.get(out, f"expected {expected:,}, got {out!r}")
-            return Verdict(False, f"{name}, {tokens} tokens: {message}")
+            if count in mistakes:
+                return named(mistakes[count], where)
+            return Verdict(False, f"{where}: expected {expected:,}, got {count:,} (off by {count - expected:+,})")
     return Verdict(True, f"KV-cache bytes: right for K2 ({kv_cache_bytes(K2Config.kimi_k2(), 1):,} per token) and nano")
 
 
@@ -182,24 +221,21 @@ def check_moe_block_parameters(fn: Callable) -> Verdict:
     configs = [("Kimi K2", K2Config.kimi_k2()), ("Moonlight", K2Config.moonlight()), ("K2-nano", K2Config.nano())]
     for name, cfg in configs:
         expected = block_parameters(cfg, cfg.first_k_dense_replace)
-        out, error = call(fn, cfg)
+        out, error = call(fn, cfg, own={block_parameters: "block_parameters"})
         if error is not None and cfg.q_lora_rank is None and "NoneType" in error.message:
-            message = ("this config has no query latent (q_lora_rank is None): its query is one q_proj, "
-                       "D x H(N + R), with no q_a_layernorm")
-            return Verdict(False, f"{name}: {message}", mistake=message)
+            return named("this config has no query latent (q_lora_rank is None): its query is one q_proj, "
+                         "D x H(N + R), with no q_a_layernorm", name)
         if error is not None:
-            return Verdict(False, f"{name}: {error.message}")
-        if isinstance(out, torch.Tensor) and out.numel() == 1:
-            out = out.item()
-        if isinstance(out, float) and out.is_integer():
-            out = int(out)
-        if out == expected:
+            return Verdict(False, f"{name}: {error.message}", mistake=error.mistake)
+        count = as_count(out)
+        if count == expected:
             continue
-        if not isinstance(out, int) or isinstance(out, bool):
-            return Verdict(False, f"{name}: return the count as an int, got {type(out).__name__} {out!r}")
+        if count is None:
+            return named(f"return the count as an int, got {type(out).__name__} {out!r}", name)
+        out = count
         for message, count in _moe_block_variants(cfg):
             if out == count:
-                return Verdict(False, f"{name}: {message}", mistake=message)
+                return named(message, name)
         return Verdict(False, f"{name}: expected {expected:,}, got {out:,} (off by {out - expected:+,})")
     return Verdict(True, f"one MoE block: right for K2 ({block_parameters(K2Config.kimi_k2(), 1):,}), Moonlight and "
                          f"K2-nano")
@@ -223,7 +259,13 @@ def check_logit_lens(fn: Callable) -> Verdict:
         out, error = call(fn, resid.clone(), norm, head)
         if error is not None:
             return error
+        eps = norm.eps if hasattr(norm, "eps") else 1e-6
+        unweighted = resid * torch.rsqrt(resid.pow(2).mean(-1, keepdim=True) + eps)  # RMSNorm without its g
         mistakes = [("you forgot the final norm: the head reads RMSNorm(x), as after the last layer", head(resid)),
+                    ("you normalised without the norm's weight g: call the final norm itself (norm(x)), whose "
+                     "learned scale is part of what the head reads", head(unweighted)),
+                    ("you normalised with LayerNorm (centred): the final norm is an RMSNorm, norm(x)",
+                     head(torch.nn.functional.layer_norm(resid, resid.shape[-1:]) * norm.weight)),
                     ("you returned probabilities (softmax); return the logits", expected.softmax(-1)),
                     ("you returned log-probabilities; return the logits", expected.log_softmax(-1))]
         return compare("logit lens", out, expected, mistakes, atol=1e-4)

@@ -96,11 +96,11 @@ def _mla_variant(w: dict[str, torch.Tensor], cfg: K2Config, x: torch.Tensor, cos
                  q_norm: bool = True, kv_norm: bool = True, rope_first_in_q: bool = False, k_pe_first: bool = False,
                  values_first: bool = False, deinterleave: bool = True, rotate: bool = True,
                  mask: str = "-inf", scale: float | None = None, softmax_over_queries: bool = False,
-                 o_proj: bool = True) -> torch.Tensor:
+                 o_proj: bool = True, sin_sign: float = 1.0) -> torch.Tensor:
     """MLA written out from the weights, with a switch for each usual mistake (the defaults are the right forward);
     the checker's source of wrong answers. ``mask``: "-inf" (right), "none", "multiply" (scores times the lower
-    triangle, zeros where -inf belongs) or "after softmax" (the pattern times the triangle, not renormalised).
-    x [B, T, D], cos/sin [T, R] -> [B, T, D]."""
+    triangle, zeros where -inf belongs) or "after softmax" (the pattern times the triangle, not renormalised);
+    ``sin_sign`` -1 rotates the wrong way. x [B, T, D], cos/sin [T, R] -> [B, T, D]."""
     H, N, R, V, C = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                      cfg.kv_lora_rank)
     B, T, _ = x.shape
@@ -113,6 +113,7 @@ def _mla_variant(w: dict[str, torch.Tensor], cfg: K2Config, x: torch.Tensor, cos
     latent = _rms_norm(latent, w["kv_a_layernorm.weight"], cfg.rms_norm_eps) if kv_norm else latent
     kv = (latent @ w["kv_b_proj.weight"].T).view(B, T, H, N + V)
     k_nope, v = (kv[..., V:], kv[..., :V]) if values_first else (kv[..., :N], kv[..., N:])
+    sin = sin * sin_sign
     if rotate:
         q_pe = apply_rotary(q_pe, cos[:, None], sin[:, None], interleaved=deinterleave)
         k_pe = apply_rotary(k_pe, cos, sin, interleaved=deinterleave)
@@ -155,46 +156,46 @@ def _mla_inputs(cfg: K2Config, batch: int, positions: torch.Tensor, seed: int
     return hidden, angles.cos() * cos_sin_scale(cfg), angles.sin() * cos_sin_scale(cfg)
 
 
+def mla_slips(cfg: K2Config) -> list[tuple[str, dict]]:
+    """The usual MLA slips for ``cfg``: (what went wrong, the ``_mla_variant`` switches that make it)."""
+    qk, wide, m2 = cfg.qk_head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.yarn_mscale**2
+    return [
+        ("you forgot kv_a_layernorm: c_KV is the NORMALISED latent", dict(kv_norm=False)),
+        ("you forgot q_a_layernorm: c_Q is normalised before q_b_proj", dict(q_norm=False)),
+        ("each head's query is [nope (N) | rope (R)]: you took the rotary part first", dict(rope_first_in_q=True)),
+        ("kv_a_proj_with_mqa gives [c_KV (C) | k_pe (R)]: you took k_pe first", dict(k_pe_first=True)),
+        ("kv_b_proj gives per head [k_nope (N) | v (V)]: you took the values first", dict(values_first=True)),
+        ("you rotated the stored rotary features as they are: de-interleave them first ((x0, x1, x2, ...) -> "
+         "(x0, x2, ..., x1, x3, ...)), then rotate halves", dict(deinterleave=False)),
+        ("you did not rotate q_pe and k_pe", dict(rotate=False)),
+        ("you forgot the causal mask: position t may only see keys 0..t", dict(mask="none")),
+        ("you made the causal mask by multiplying the scores with tril: a masked score becomes 0, not -inf, and "
+         "exp(0) = 1 still gives the future keys weight; fill them with -inf before the softmax "
+         "(scores.masked_fill(~mask, -inf))", dict(mask="multiply")),
+        ("you masked the pattern after the softmax without renormalising: each row no longer sums to 1; mask the "
+         "scores with -inf before the softmax", dict(mask="after softmax")),
+        (f"you forgot YaRN's m^2 in the scale: it is {qk}^-1/2 * m^2", dict(scale=qk**-0.5)),
+        (f"m goes in squared (once for the query, once for the key): the scale is {qk}^-1/2 * m^2",
+         dict(scale=qk**-0.5 * cfg.yarn_mscale)),
+        (f"a head's query-key width is N + R = {qk} (content and rotary parts): the scale is {qk}^-1/2 * m^2, not "
+         f"N^-1/2 * m^2", dict(scale=cfg.qk_nope_head_dim**-0.5 * m2)),
+        ("you rotated the wrong way: the rotation is x * cos + rotate_half(x) * sin, with rotate_half(x) = "
+         "[-x2, x1] for the halves x1, x2", dict(sin_sign=-1.0)),
+        (f"the scale stays {qk}^-1/2 * m^2 in the absorbed form: the scores are the same numbers, summed in another "
+         f"order; the {wide}-wide keys do not change them", dict(scale=wide**-0.5 * m2)),
+        (f"the scale is {qk}^-1/2 * m^2, not 1/sqrt({wide}): the scores are the naive ones, whatever the width of "
+         f"the absorbed keys", dict(scale=wide**-0.5)),
+        ("you took the softmax over the queries; it runs over the keys (the last axis)",
+         dict(softmax_over_queries=True)),
+        ("you forgot o_proj: the heads' outputs go through o_proj into the residual", dict(o_proj=False)),
+    ]
+
+
 def mla_mistakes(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The usual MLA slips for these weights and inputs, each with the output it gives [B, T, D]."""
-    args = (w, cfg, hidden, cos, sin)
-    qk, wide, m2 = cfg.qk_head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.yarn_mscale**2
     with torch.no_grad():
-        return [
-            ("you forgot kv_a_layernorm: c_KV is the NORMALISED latent", _mla_variant(*args, kv_norm=False)),
-            ("you forgot q_a_layernorm: c_Q is normalised before q_b_proj", _mla_variant(*args, q_norm=False)),
-            ("each head's query is [nope (N) | rope (R)]: you took the rotary part first",
-             _mla_variant(*args, rope_first_in_q=True)),
-            ("kv_a_proj_with_mqa gives [c_KV (C) | k_pe (R)]: you took k_pe first",
-             _mla_variant(*args, k_pe_first=True)),
-            ("kv_b_proj gives per head [k_nope (N) | v (V)]: you took the values first",
-             _mla_variant(*args, values_first=True)),
-            ("you rotated the stored rotary features as they are: de-interleave them first ((x0, x1, x2, ...) -> "
-             "(x0, x2, ..., x1, x3, ...)), then rotate halves", _mla_variant(*args, deinterleave=False)),
-            ("you did not rotate q_pe and k_pe", _mla_variant(*args, rotate=False)),
-            ("you forgot the causal mask: position t may only see keys 0..t", _mla_variant(*args, mask="none")),
-            ("you made the causal mask by multiplying the scores with tril: a masked score becomes 0, not -inf, "
-             "and exp(0) = 1 still gives the future keys weight; fill them with -inf before the softmax "
-             "(scores.masked_fill(~mask, -inf))", _mla_variant(*args, mask="multiply")),
-            ("you masked the pattern after the softmax without renormalising: each row no longer sums to 1; mask "
-             "the scores with -inf before the softmax", _mla_variant(*args, mask="after softmax")),
-            (f"you forgot YaRN's m^2 in the scale: it is {qk}^-1/2 * m^2", _mla_variant(*args, scale=qk**-0.5)),
-            (f"m goes in squared (once for the query, once for the key): the scale is {qk}^-1/2 * m^2",
-             _mla_variant(*args, scale=qk**-0.5 * cfg.yarn_mscale)),
-            (f"a head's query-key width is N + R = {qk} (content and rotary parts): the scale is {qk}^-1/2 * m^2, "
-             f"not N^-1/2 * m^2", _mla_variant(*args, scale=cfg.qk_nope_head_dim**-0.5 * m2)),
-            ("you rotated the wrong way: the rotation is x * cos + rotate_half(x) * sin, with rotate_half(x) = "
-             "[-x2, x1] for the halves x1, x2", _mla_variant(w, cfg, hidden, cos, -sin)),
-            (f"the scale stays {qk}^-1/2 * m^2 in the absorbed form: the scores are the same numbers, summed in "
-             f"another order; the {wide}-wide keys do not change them", _mla_variant(*args, scale=wide**-0.5 * m2)),
-            (f"the scale is {qk}^-1/2 * m^2, not 1/sqrt({wide}): the scores are the naive ones, whatever the width of "
-             f"the absorbed keys", _mla_variant(*args, scale=wide**-0.5)),
-            ("you took the softmax over the queries; it runs over the keys (the last axis)",
-             _mla_variant(*args, softmax_over_queries=True)),
-            ("you forgot o_proj: the heads' outputs go through o_proj into the residual",
-             _mla_variant(*args, o_proj=False)),
-        ]
+        return [(message, _mla_variant(w, cfg, hidden, cos, sin, **switches)) for message, switches in mla_slips(cfg)]
 
 
 # K2-nano with a wider latent, so that C + R (56) differs from N + R (48) and a scale from the wrong width shows; and

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import CodeType
 from typing import Any
@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 Mistake = tuple[str, Any]  # (what the learner did wrong, the output that mistake gives)
-Mistakes = Sequence[Mistake] | Callable[[], Sequence[Mistake]]  # a list, or a function that makes it when needed
+Mistakes = Iterable[Mistake] | Callable[[], Iterable[Mistake]]  # a list, or a function that makes them when needed
 
 GREEN, RED, PLAIN = "\x1b[32m", "\x1b[31m", "\x1b[0m"  # ANSI colours: JupyterLab draws them in a printed line
 
