@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from ...analysis.features import information, purity
-from .checking import Verdict, call, checker, compare, generator
+from .checking import Verdict, call, checker, compare, generator, named
 
 # --- purity -----------------------------------------------------------------------------------------------------
 
@@ -34,7 +34,7 @@ def check_feature_purity(fn: Callable) -> Verdict:
     chose its most frequent expert, as ``k2lab.analysis.features.purity`` computes it."""
     active, chosen = _purity_case()
     expected = purity(active[:, None], chosen, num_shuffles=1).purity[0].double()
-    out, error = call(fn, active.clone(), chosen.clone())
+    out, error = call(fn, active.clone(), chosen.clone(), own={purity: "analysis.features.purity"})
     if error is not None:
         return error
     counts = chosen[active].double().sum(0)  # [E] the feature's tokens per expert
@@ -68,12 +68,12 @@ def check_mutual_information(fn: Callable) -> Verdict:
         single = information(a[:, None], c[None, :, None], torch.zeros(60, dtype=torch.long), min_active=1,
                              num_boot=1, num_shuffles=1)
         expected = single.bits[0, 0].double()
-        out, error = call(fn, a.clone(), c.clone())
+        out, error = call(fn, a.clone(), c.clone(), own={information: "analysis.features.information"})
         if error is not None:
             return error
         if isinstance(out, float | torch.Tensor) and torch.as_tensor(out).numel() == 1 and math.isnan(float(out)):
-            return Verdict(False, "mutual information: NaN where a cell holds no token: 0 log 0 counts as 0 (skip the "
-                                  "empty cells)")
+            return named("NaN where a cell holds no token: 0 log 0 counts as 0 (skip the empty cells)",
+                         "mutual information")
         pa, pc = a.double().mean(), c.double().mean()
         p11 = (a & c).double().mean()
         entropy_a = -(pa * pa.log2() + (1 - pa) * (1 - pa).log2())

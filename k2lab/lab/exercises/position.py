@@ -191,7 +191,7 @@ def check_yarn_frequencies(fn: Callable) -> Verdict:
         if error is not None:
             return error
         if not isinstance(out, (tuple, list)) or len(out) != 2:
-            return Verdict(False, f"{name}: return two things, (inv_freq [R/2], softmax_scale)")
+            return named("return two things, (inv_freq [R/2], softmax_scale)", name)
         inv_freq, scale = out
         verdict = compare(f"{name}'s inverse frequencies", inv_freq, inverse_frequencies(cfg).double(),
                           _yarn_mistakes(cfg), atol=1e-12, rtol=1e-5)
@@ -200,7 +200,7 @@ def check_yarn_frequencies(fn: Callable) -> Verdict:
         try:
             scale = float(scale)
         except (TypeError, ValueError, RuntimeError):
-            return Verdict(False, f"{name}'s softmax scale: return one number, got a {type(scale).__name__}")
+            return named(f"return one number, got a {type(scale).__name__}", f"{name}'s softmax scale")
         verdict = compare(f"{name}'s softmax scale", torch.tensor(scale, dtype=torch.float64),
                           torch.tensor(cfg.softmax_scale, dtype=torch.float64),
                           [(message, torch.tensor(value)) for message, value in _scale_mistakes(cfg)],

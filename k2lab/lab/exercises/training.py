@@ -211,10 +211,10 @@ def check_qk_clip(fn: Callable) -> Verdict:
         what = f"QK-Clip, head with max logit {max_logit:g} (tau {tau:g})"
         if not isinstance(out, dict) or set(out) != set(HEAD_PARTS):
             got = sorted(out) if isinstance(out, dict) else type(out).__name__
-            return Verdict(False, f"{what}: return a dict with the keys {list(HEAD_PARTS)}, got {got}")
+            return named(f"return a dict with the keys {list(HEAD_PARTS)}, got {got}", what)
         if any(tuple(torch.as_tensor(out[part]).shape) != tuple(head[part].shape) for part in HEAD_PARTS):
-            return Verdict(False, f"{what}: each returned part keeps its shape "
-                                  f"({ {part: list(t.shape) for part, t in head.items()} })")
+            return named(f"each returned part keeps its shape ({ {part: list(t.shape) for part, t in head.items()} })",
+                         what)
         g = gamma[h].item()
         raw = tau / max_logit  # gamma without the min(1, .)
         k_pe_message = ("you scaled the shared rotary key k_pe: every head reads it, so clipping one head would "
