@@ -4,9 +4,11 @@ weights, naive and absorbed, for the wrong answers to vary."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 
 from k2lab.lab import exercises as ex
 
@@ -113,3 +115,65 @@ def mla_absorbed(w, cfg, x, cos, sin, scale=None):
     scores = torch.einsum("bthc,bsc->bhts", query, keys) * (cfg.softmax_scale if scale is None else scale)
     latent_out = torch.einsum("bhts,bsc->bthc", causal(scores).softmax(-1), c_kv)
     return torch.einsum("bthc,hvc->bthv", latent_out, w_uv).flatten(2) @ w["o_proj.weight"].T
+
+
+# --- the whole K2 from its state dict, with the learner's pieces (09) ----------------------------------------
+
+
+def yarn_frequencies(cfg):
+    """YaRN's inverse frequencies [R/2], as the learner writes them in 02."""
+    R, theta, factor = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor
+    base = 1.0 / theta ** (torch.arange(0, R, 2).float() / R)
+
+    def d(beta):
+        return R * math.log(cfg.original_max_position_embeddings / (2 * math.pi * beta)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(d(cfg.beta_fast)), 0), min(math.ceil(d(cfg.beta_slow)), R - 1)
+    high = high + 0.001 if high == low else high
+    ramp = ((torch.arange(R // 2).float() - low) / (high - low)).clamp(0, 1)
+    return base / factor * ramp + base * (1 - ramp)
+
+
+def swiglu(x, gate, up, down):
+    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def route(x, weight, bias, cfg):
+    s = (x @ weight.T).sigmoid()
+    idx = (s + bias).topk(cfg.num_experts_per_tok, dim=-1).indices
+    w = s.gather(-1, idx)
+    return idx, w / w.sum(-1, keepdim=True) * cfg.routed_scaling_factor
+
+
+def moe(x, sd, p, cfg, router=route):
+    idx, weights = router(x, sd[p + "gate.weight"], sd[p + "gate.e_score_correction_bias"], cfg)
+    out = swiglu(x, sd[p + "shared_experts.gate_proj.weight"], sd[p + "shared_experts.up_proj.weight"],
+                 sd[p + "shared_experts.down_proj.weight"])
+    gate, up, down = (sd[p + f"experts.{name}"] for name in ("gate_proj", "up_proj", "down_proj"))
+    for slot in range(idx.shape[-1]):
+        for n, e in enumerate(idx[..., slot].flatten().tolist()):
+            b, t = divmod(n, x.shape[1])
+            out[b, t] += weights[b, t, slot] * swiglu(x[b, t], gate[e], up[e], down[e])
+    return out
+
+
+def k2(sd, cfg, ids, router=route, final_norm=True, tied=False, attention=mla):
+    """The whole K2 from its state dict, with the learner's pieces (``attention``: their MLA from its weights)."""
+    x = sd["embed_tokens.weight"][ids]
+    T = ids.shape[1]
+    angles = torch.arange(T).float()[:, None] * yarn_frequencies(cfg)  # the learner's own YaRN, from exercise 2
+    angles = torch.cat([angles, angles], dim=-1)  # YaRN's factor on cos and sin is 1 for K2's mscale settings
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        attn_w = {name[len(p + "self_attn."):]: t for name, t in sd.items() if name.startswith(p + "self_attn.")}
+        h = rms_norm(x, sd[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        x = x + attention(attn_w, cfg, h, angles.cos(), angles.sin())
+        h = rms_norm(x, sd[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        if i < cfg.first_k_dense_replace:
+            x = x + swiglu(h, sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"],
+                           sd[p + "mlp.down_proj.weight"])
+        else:
+            x = x + moe(h, sd, p + "mlp.", cfg, router)
+    if final_norm:
+        x = rms_norm(x, sd["norm.weight"], cfg.rms_norm_eps)
+    return x @ (sd["embed_tokens.weight"] if tied else sd["lm_head.weight"]).T

@@ -14,18 +14,18 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 from learner import (
     byte_sequences,
     count_pairs,
     fails_with,
+    k2,
     learn_merges,
     mla,
     mla_absorbed,
     mla_inputs,
     pairs_in,
     passes,
-    rms_norm,
+    route,
 )
 
 from k2lab.lab import exercises as ex
@@ -259,17 +259,6 @@ def test_the_absorbed_score_may_not_build_k_nope():
 # --- 04 and 09: the whole model from its weights ------------------------------------------------------------------
 
 
-def swiglu(x, gate, up, down):
-    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
-
-
-def route(x, weight, bias, cfg):
-    s = (x @ weight.T).sigmoid()
-    idx = (s + bias).topk(cfg.num_experts_per_tok, dim=-1).indices
-    w = s.gather(-1, idx)
-    return idx, w / w.sum(-1, keepdim=True) * cfg.routed_scaling_factor
-
-
 def route_bias_in_weights(x, weight, bias, cfg):
     choice = (x @ weight.T).sigmoid() + bias
     idx = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
@@ -280,39 +269,6 @@ def route_bias_in_weights(x, weight, bias, cfg):
 def route_unscaled(x, weight, bias, cfg):
     idx, w = route(x, weight, bias, cfg)
     return idx, w / cfg.routed_scaling_factor
-
-
-def moe(x, sd, p, cfg, router=route):
-    idx, weights = router(x, sd[p + "gate.weight"], sd[p + "gate.e_score_correction_bias"], cfg)
-    out = swiglu(x, sd[p + "shared_experts.gate_proj.weight"], sd[p + "shared_experts.up_proj.weight"],
-                 sd[p + "shared_experts.down_proj.weight"])
-    gate, up, down = (sd[p + f"experts.{name}"] for name in ("gate_proj", "up_proj", "down_proj"))
-    for slot in range(idx.shape[-1]):
-        for n, e in enumerate(idx[..., slot].flatten().tolist()):
-            b, t = divmod(n, x.shape[1])
-            out[b, t] += weights[b, t, slot] * swiglu(x[b, t], gate[e], up[e], down[e])
-    return out
-
-
-def k2(sd, cfg, ids, router=route, final_norm=True, tied=False):
-    x = sd["embed_tokens.weight"][ids]
-    T = ids.shape[1]
-    angles = torch.arange(T).float()[:, None] * yarn(cfg)[0]  # the learner's own YaRN, from exercise 2
-    angles = torch.cat([angles, angles], dim=-1)  # YaRN's factor on cos and sin is 1 for K2's mscale settings
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        attn_w = {name[len(p + "self_attn."):]: t for name, t in sd.items() if name.startswith(p + "self_attn.")}
-        h = rms_norm(x, sd[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-        x = x + mla(attn_w, cfg, h, angles.cos(), angles.sin())
-        h = rms_norm(x, sd[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        if i < cfg.first_k_dense_replace:
-            x = x + swiglu(h, sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"],
-                           sd[p + "mlp.down_proj.weight"])
-        else:
-            x = x + moe(h, sd, p + "mlp.", cfg, router)
-    if final_norm:
-        x = rms_norm(x, sd["norm.weight"], cfg.rms_norm_eps)
-    return x @ (sd["embed_tokens.weight"] if tied else sd["lm_head.weight"]).T
 
 
 def test_model_from_weights():

@@ -12,7 +12,10 @@ whose rms makes eps matter, loads whose mean and median differ), and where an ex
     exercises.check_rms_norm(my_rms_norm)      # ✓ or ✗ with the reason
 
 A stub that still raises ``NotImplementedError`` gets "not written yet", so a notebook with unsolved exercises
-still runs from top to bottom; library warnings raised inside a check stay out of the cell.
+still runs from top to bottom; library warnings raised inside a check stay out of the cell. The learner's function
+runs under guard (``checking.call``): it is stopped after a minute (``time_limit(seconds)`` gives more), torch's
+global settings it changes are put back and said, an argument it changes in place fails the check, and calling
+k2lab's own implementation of the piece is named. A verdict prints its ✓ in green and its ✗ in red.
 
 The construction track, each piece checked against k2lab and then used by the next, and the other exercises:
 
@@ -49,7 +52,7 @@ from .analysis import (
 )
 from .attention import check_absorbed_score, check_mla_forward
 from .blocks import check_block, check_moe_combine, check_rms_norm, check_router, check_swiglu
-from .checking import Verdict, Watch
+from .checking import Verdict, Watch, time_limit
 from .features import check_feature_purity, check_mutual_information
 from .model import check_greedy, check_model_from_weights, small_k2
 from .position import DEEPSEEK_V3_ROPE, check_rotation, check_yarn_frequencies
@@ -62,5 +65,5 @@ __all__ = [
     "check_logit_lens", "check_max_violation", "check_mla_forward", "check_model_from_weights", "check_moe_combine",
     "check_moe_block_parameters", "check_mutual_information", "check_newton_schulz", "check_patch_hook",
     "check_qk_clip", "check_rms_norm", "check_rotation", "check_router", "check_swiglu", "check_yarn_frequencies",
-    "small_k2", "train_bpe",
+    "small_k2", "time_limit", "train_bpe",
 ]

@@ -188,10 +188,9 @@ def _deadline(seconds: float) -> Iterator[Callable[[], None]]:
                     raise_in(ctypes.c_ulong(target), ctypes.py_object(OutOfTime))
             wait = 1.0
 
-    def stop() -> None:
+    def stop() -> None:  # an exception raised just before is still delivered, and reported as the time running out
         with lock:
             done.set()
-            raise_in(ctypes.c_ulong(target), None)  # drop an exception raised but not yet delivered
 
     threading.Thread(target=watchdog, name="k2lab-check-deadline", daemon=True).start()
     try:
@@ -318,7 +317,7 @@ class _Calls:
     def __init__(self, watched: Mapping[CodeType, str]):
         self.watched = dict(watched)
         self.seen: list[str] = []
-        self._previous: Any = None
+        self._active = False
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
         if event == "call":
@@ -327,13 +326,13 @@ class _Calls:
                 self.seen.append(name)
 
     def __enter__(self) -> _Calls:
-        self._previous = sys.getprofile()
-        if self.watched and self._previous is None:
+        self._active = bool(self.watched) and sys.getprofile() is None
+        if self._active:
             sys.setprofile(self._profile)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.watched and self._previous is None:
+        if self._active:
             sys.setprofile(None)
 
 

@@ -90,8 +90,8 @@ DEEPSEEK_V3_ROPE = dict(rope_theta=10_000.0, rope_factor=40.0, original_max_posi
 DEEPSEEK_V2_LITE_ROPE = DEEPSEEK_V3_ROPE | dict(mscale=0.707, mscale_all_dim=0.707)
 # Not a released config: K2's theta and factor with V3's beta_fast 32, so that d(beta_fast) = 8.91 (a fraction of .5
 # or more: rounding goes up where floor goes down) and d(beta_slow) = 19.16 (rounding goes down where ceil goes up),
-# and mscale 1 beside mscale_all_dim 0.707, so that an m taken from mscale shows.
-ROUNDING_ROPE = dict(beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.707)
+# and mscale 0.8 beside mscale_all_dim 0.6, so that an m taken from mscale (or from neither) shows.
+ROUNDING_ROPE = dict(beta_fast=32.0, beta_slow=1.0, mscale=0.8, mscale_all_dim=0.6)
 
 
 def _yarn_mistakes(cfg: K2Config) -> list[tuple[str, torch.Tensor]]:
@@ -182,7 +182,7 @@ def check_yarn_frequencies(fn: Callable) -> Verdict:
     (N + R)^-1/2 * m^2 with m = 0.1 * mscale_all_dim * ln(factor) + 1."""
     configs = [("K2", K2Config.kimi_k2()), ("DeepSeek-V3", K2Config.kimi_k2().replace(**DEEPSEEK_V3_ROPE)),
                ("DeepSeek-V2-Lite", K2Config.kimi_k2().replace(**DEEPSEEK_V2_LITE_ROPE)),
-               ("a made-up config (K2 with beta_fast 32, mscale_all_dim 0.707)",
+               ("a made-up config (K2 with beta_fast 32, mscale 0.8, mscale_all_dim 0.6)",
                 K2Config.kimi_k2().replace(**ROUNDING_ROPE))]
     own = {inverse_frequencies: "inverse_frequencies", yarn_ramp: "yarn_ramp",
            K2Config.softmax_scale: "K2Config.softmax_scale", K2Config.yarn_mscale: "K2Config.yarn_mscale"}
