@@ -20,18 +20,19 @@ def passes(verdict: ex.Verdict) -> None:
 
 # Every rejection a test asserts, for tests/lab/conftest.py's count of how many name the mistake (a stub, a crash or
 # a checker given no function is not a wrong answer, and is left out).
-# ``FRESH``: those of wrong answers written apart from the checkers' mistake lists (test_checkers_fresh.py).
-REJECTED: list[ex.Verdict] = []
-FRESH: list[ex.Verdict] = []
+# Rejections of wrong answers written apart from the checkers' mistake lists are kept under their corpus's name
+# (test_checkers_fresh.py: "fresh", written before the checkers' diagnoses; "held out", written after them and never
+# used to tune them).
+REJECTED: dict[str, list[ex.Verdict]] = {"known mistakes": []}
 NOT_AN_ANSWER = ("not written yet", "your function raised", "fn must be your function")
 
 
-def fails_with(verdict: ex.Verdict, reason: str, fresh: bool = False) -> None:
+def fails_with(verdict: ex.Verdict, reason: str, corpus: str = "known mistakes") -> None:
     assert isinstance(verdict, ex.Verdict)
     assert not verdict.ok and repr(verdict).startswith("✗"), verdict.message
     assert reason in verdict.message, verdict.message
     if not any(text in verdict.message for text in NOT_AN_ANSWER):
-        (FRESH if fresh else REJECTED).append(verdict)
+        REJECTED.setdefault(corpus, []).append(verdict)
 
 
 def pairs_in(ranks, parts):

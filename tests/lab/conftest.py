@@ -8,18 +8,18 @@ import json
 import os
 
 import pytest
-from learner import FRESH, REJECTED
+from learner import REJECTED
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    for kind, verdicts in (("known mistakes", REJECTED), ("fresh wrong answers", FRESH)):
+    for corpus, verdicts in REJECTED.items():
         if verdicts:
             named = sum(v.mistake is not None for v in verdicts)
-            terminalreporter.write_line(f"checkers, {kind}: {len(verdicts)} rejected, {named} with the mistake named "
-                                        f"({named / len(verdicts):.0%})")
+            terminalreporter.write_line(f"checkers, {corpus}: {len(verdicts)} wrong answers rejected, {named} with "
+                                        f"the mistake named ({named / len(verdicts):.0%})")
     path = os.environ.get("K2LAB_NAMING_REPORT")
     if path:
-        rows = [{"fresh": fresh, "named": v.mistake is not None, "message": v.message}
-                for fresh, verdicts in ((False, REJECTED), (True, FRESH)) for v in verdicts]
+        rows = [{"corpus": corpus, "named": v.mistake is not None, "message": v.message}
+                for corpus, verdicts in REJECTED.items() for v in verdicts]
         with open(path, "w") as out:
             json.dump(rows, out, indent=1, ensure_ascii=False)

@@ -12,7 +12,7 @@ from ...analysis.accounting import block_parameters, kv_cache_bytes
 from ...analysis.routing import max_violation
 from ...config import K2Config
 from ...model.layers import RMSNorm
-from .checking import Verdict, call, checker, compare, generator, named
+from .checking import Verdict, as_tensor, call, checker, compare, generator, named, same
 
 # --- 05: MaxVio ---------------------------------------------------------------------------------------------------
 
@@ -47,7 +47,18 @@ def check_max_violation(fn: Callable) -> Verdict:
          "(counts.float().mean(-1))", top / floored - 1),
         ("you divided by the median load; MaxVio divides by the mean", top / c.median(-1).values - 1),
     ]
-    return compare("MaxVio", out, expected, mistakes)
+    verdict = compare("MaxVio", out, expected, mistakes, axes={0: "layers (rows of counts)"})
+    if verdict.ok or verdict.mistake is not None or as_tensor(out) is None or as_tensor(out).shape != expected.shape:
+        return verdict
+    answer = as_tensor(out).double()
+    if abs(answer[1].item()) > 1e-6:
+        return named(f"a balanced layer (every expert 25 tokens) has MaxVio 0; yours gives {answer[1].item():.4g}",
+                     "MaxVio")
+    doubled, error = call(fn, counts * 2, keep=False)
+    if error is None and as_tensor(doubled) is not None and not same(as_tensor(doubled), answer, 1e-6, 1e-4):
+        return named("MaxVio is a ratio of loads, so doubling every count must not change it, and yours changes: "
+                     "divide the busiest expert's count by the mean of its own layer", "MaxVio")
+    return verdict
 
 
 # --- 06: direct logit attribution ---------------------------------------------------------------------------------
@@ -96,10 +107,35 @@ def check_logit_attribution(fn: Callable) -> Verdict:
         ]
         verdict = compare("attribution", out, expected, mistakes)
         if not verdict.ok:
-            return verdict
+            return verdict if verdict.mistake is not None else _attribution_diagnosis(fn, parts, x_final, w, u, eps,
+                                                                                       verdict)
         answers.append(float(out))
     return Verdict(True, f"direct logit attribution: right, and the terms sum to the logit ({sum(answers):.4f} = "
                          f"{logit.item():.4f})")
+
+
+def _attribution_diagnosis(fn: Callable, parts: torch.Tensor, x_final: torch.Tensor, w: torch.Tensor,
+                           u: torch.Tensor, eps: float, verdict: Verdict) -> Verdict:
+    """Why an attribution is wrong, from what the learner's function does to the three terms and to a doubled one."""
+    rms = (x_final.pow(2).mean() + eps).sqrt()
+    answers = []
+    for c in parts:
+        out, error = call(fn, c.clone(), x_final.clone(), w.clone(), u.clone(), eps, keep=False)
+        answers.append(as_tensor(out) if error is None else None)
+    right = torch.stack([(u * w * c).sum() / rms for c in parts]).double()
+    if all(a is not None and a.numel() == 1 for a in answers):
+        ratio = torch.stack([a.double().reshape(()) for a in answers]) / right
+        if ratio.std() < 1e-4 * ratio.abs().mean():
+            return named(f"all three of your terms are {ratio.mean().item():.4g} times the right ones: the factor "
+                         f"every term shares is wrong, 1 / rms(x_L) with rms(x_L) = sqrt(mean(x_L²) + eps)",
+                         "attribution")
+    doubled, error = call(fn, 2 * parts[0], x_final.clone(), w.clone(), u.clone(), eps, keep=False)
+    if error is None and answers[0] is not None and as_tensor(doubled) is not None and not same(
+            as_tensor(doubled).reshape(-1)[:1], 2 * answers[0].reshape(-1)[:1], 1e-6, 1e-4):
+        return named("the attribution is linear in the component, u · (g ⊙ c) / rms(x_L) with the norm's scale "
+                     "frozen at the whole stream's: doubling c (x_L kept) must double it, and yours does not",
+                     "attribution")
+    return verdict
 
 
 # --- 07: a patching hook ------------------------------------------------------------------------------------------
@@ -126,7 +162,11 @@ def check_patch_hook(fn: Callable) -> Verdict:
     mistakes = [("you patched every position; only the given ones change", source),
                 ("you patched every position but the given ones", others),
                 ("you indexed the batch axis; positions are axis 1 of [B, T, D]", batch)]
-    return compare("patch hook", out, expected, mistakes, atol=0, rtol=0)
+    verdict = compare("patch hook", out, expected, mistakes, atol=0, rtol=0, axes={1: "positions", 0: "batch rows"})
+    if (verdict.mistake or "").startswith("yours is right at positions"):
+        return named(f"{verdict.mistake} (the ones to patch are {positions}: the source's values there, the "
+                     f"activation's elsewhere, in every batch row)", "patch hook")
+    return verdict
 
 
 # --- 08: KV-cache bytes -------------------------------------------------------------------------------------------
@@ -177,8 +217,33 @@ def check_kv_cache_bytes(fn: Callable) -> Verdict:
             }
             if count in mistakes:
                 return named(mistakes[count], where)
-            return Verdict(False, f"{where}: expected {expected:,}, got {count:,} (off by {count - expected:+,})")
+            return _kv_diagnosis(cfg, tokens, count, expected, where)
     return Verdict(True, f"KV-cache bytes: right for K2 ({kv_cache_bytes(K2Config.kimi_k2(), 1):,} per token) and nano")
+
+
+def _kv_diagnosis(cfg: K2Config, tokens: int, count: int, expected: int, where: str) -> Verdict:
+    """Why a KV-cache count is wrong: another width of the config in place of the latent's, or a factor of it."""
+    L, C, R = cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    widths = {"q_lora_rank (the QUERY latent's width)": cfg.q_lora_rank, "hidden_size": cfg.hidden_size,
+              "qk_nope_head_dim": cfg.qk_nope_head_dim, "v_head_dim": cfg.v_head_dim,
+              "qk_head_dim (N + R)": cfg.qk_head_dim}
+    for name, width in widths.items():
+        for rotary in (R, 0):
+            if width is not None and count == tokens * (width + rotary) * 2 * L:
+                return named(f"you used {name} where the cache holds c_KV, kv_lora_rank = {C} values (plus k_pe, "
+                             f"{R})", where)
+    factors = {"num_attention_heads": cfg.num_attention_heads, "num_hidden_layers": L,
+               "n_routed_experts": cfg.n_routed_experts}
+    for name, factor in factors.items():
+        if count == expected * factor:
+            reason = ("the latent cache is shared by every head: one c_KV and one k_pe per token and layer"
+                      if name == "num_attention_heads" else "count each layer once")
+            return named(f"yours is {name} ({factor}) times the right count: {reason}", where)
+    if count % expected == 0 or expected % count == 0:
+        ratio = count / expected
+        return named(f"yours is {ratio:g} times the right count: per token and layer the cache holds (C + R) = "
+                     f"{C + R} values of 2 bytes", where)
+    return Verdict(False, f"{where}: expected {expected:,}, got {count:,} (off by {count - expected:+,})")
 
 
 # --- 08: one MoE block's parameters --------------------------------------------------------------------------------
@@ -212,6 +277,30 @@ def _moe_block_variants(cfg: K2Config) -> list[tuple[str, int]]:
     return [(message, count) for message, count in slips if count != right]
 
 
+def _missing_component(cfg: K2Config, off: int) -> str | None:
+    """When a count is off by exactly one weight matrix of the block (or two), which."""
+    D, H, N, R, V = (cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                     cfg.v_head_dim)
+    C, Q, E, I = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size
+    parts = {"o_proj (H·V x D)": H * V * D, "kv_b_proj's value rows (C x H·V)": C * H * V,
+             "kv_b_proj's key rows (C x H·N)": C * H * N, "kv_a_proj_with_mqa (D x (C + R))": D * (C + R),
+             "the router's W_gate (E x D)": E * D, "one expert (3 x D x I)": 3 * D * I,
+             "the routed experts (E x 3 x D x I)": E * 3 * D * I, "one RMSNorm (D)": D}
+    if Q is not None:
+        parts |= {"q_a_proj (D x q_lora_rank)": D * Q, "q_b_proj (q_lora_rank x H·(N + R))": Q * H * (N + R),
+                  "q_b_proj's rotary rows (q_lora_rank x H·R)": Q * H * R}
+    else:
+        parts |= {"q_proj (D x H·(N + R))": D * H * (N + R)}
+    for (a, x), (b, y) in [((a, x), (a, 0)) for a, x in parts.items()] + [
+            (p, q) for i, p in enumerate(parts.items()) for q in list(parts.items())[i + 1:]]:
+        for sign, verb in ((-1, "short"), (1, "over")):
+            if off == sign * (x + y):
+                which = a if y == 0 else f"{a} and {b}"
+                return (f"your count is {verb} by exactly {which}: {abs(off):,} parameters "
+                        f"({'left out' if sign < 0 else 'counted twice or one too many'})")
+    return None
+
+
 @checker
 def check_moe_block_parameters(fn: Callable) -> Verdict:
     """``fn(cfg: K2Config) -> int``: the parameters of one MoE block (its two norms, MLA with its latent norms, the
@@ -236,6 +325,9 @@ def check_moe_block_parameters(fn: Callable) -> Verdict:
         for message, count in _moe_block_variants(cfg):
             if out == count:
                 return named(message, name)
+        component = _missing_component(cfg, out - expected)
+        if component is not None:
+            return named(component, name)
         return Verdict(False, f"{name}: expected {expected:,}, got {out:,} (off by {out - expected:+,})")
     return Verdict(True, f"one MoE block: right for K2 ({block_parameters(K2Config.kimi_k2(), 1):,}), Moonlight and "
                          f"K2-nano")
@@ -268,4 +360,5 @@ def check_logit_lens(fn: Callable) -> Verdict:
                      head(torch.nn.functional.layer_norm(resid, resid.shape[-1:]) * norm.weight)),
                     ("you returned probabilities (softmax); return the logits", expected.softmax(-1)),
                     ("you returned log-probabilities; return the logits", expected.log_softmax(-1))]
-        return compare("logit lens", out, expected, mistakes, atol=1e-4)
+        return compare("logit lens", out, expected, mistakes, atol=1e-4, axes={0: "positions"},
+                       terms={"head(resid), the head of the un-normalised stream": head(resid)})

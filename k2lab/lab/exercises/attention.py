@@ -14,7 +14,7 @@ from ...config import K2Config
 from ...model import MultiHeadLatentAttention
 from ...model.attention import apply_rotary, causal_mask
 from ...model.rope import cos_sin_scale, inverse_frequencies
-from .checking import Verdict, Watch, call, checker, compare, generator, named
+from .checking import Verdict, Watch, as_tensor, call, checker, compare, generator, named, same
 
 BUILT_KEYS = ("you built each head's keys k_nope = W_UK c_KV; the absorbed form never expands the latent: fold W_UK "
               "into the query, (W_UK^T q_nope) · c_KV")
@@ -82,7 +82,21 @@ def check_absorbed_score(fn: Callable) -> Verdict:
         ("you applied the scale twice", scale**2 * (content + rotary)),
         ("the scores are [H, T, S], per head; yours are [T, H, S]", expected.transpose(0, 1)),
     ]
-    return compare("absorbed score", out, expected, mistakes, atol=1e-4)
+    verdict = compare("absorbed score", out, expected, mistakes, atol=1e-4, axes={1: "queries", 2: "keys"})
+    if verdict.ok or verdict.mistake is not None:
+        return verdict
+    # One part switched off at a time: with q_pe zero the scores are the content part alone, with q_nope zero the
+    # rotary part alone; whichever comes out right is not the one that is wrong.
+    parts = {"content": ("content part, scale * (W_UK^T q_nope) · c_KV", scale * content),
+             "rotary": ("rotary part, scale * q_pe · k_pe", scale * rotary)}
+    for zeroed, good, bad in ((1, "content", "rotary"), (0, "rotary", "content")):
+        args = [q_nope.clone(), q_pe.clone(), c_kv.clone(), k_pe.clone(), w_uk.clone(), scale]
+        args[zeroed] = torch.zeros_like(args[zeroed])  # q_pe zero: the content part alone; q_nope zero: the rotary
+        alone, error = call(fn, *args, keep=False)
+        if error is None and as_tensor(alone) is not None and same(as_tensor(alone), parts[good][1], 1e-4, 1e-4):
+            return named(f"your {parts[good][0]} is right (run alone, the other query zeroed), so your "
+                         f"{parts[bad][0]}, is wrong ([H, T, S]: rows t, columns s)", "absorbed score")
+    return verdict
 
 
 # --- MLA from the weights -----------------------------------------------------------------------------------------
@@ -198,6 +212,16 @@ def mla_mistakes(w: dict[str, torch.Tensor], cfg: K2Config, hidden: torch.Tensor
         return [(message, _mla_variant(w, cfg, hidden, cos, sin, **switches)) for message, switches in mla_slips(cfg)]
 
 
+def mixing(verdict: Verdict) -> Verdict:
+    """A verdict right at position 0 alone, with what that says: at position 0 a query sees only its own key and
+    turns by angle 0, so what differs later is what mixes or turns positions."""
+    if verdict.mistake is not None and verdict.mistake.startswith("yours is right at positions 0 and wrong at"):
+        return named(f"{verdict.mistake}: at position 0 a query sees only its own key and turns by angle 0, so what "
+                     f"is wrong mixes or turns positions (the causal mask, the rotation of q_pe AND k_pe, the "
+                     f"scale, the softmax's axis)", verdict.message.split(": ", 1)[0])
+    return verdict
+
+
 # K2-nano with a wider latent, so that C + R (56) differs from N + R (48) and a scale from the wrong width shows; and
 # a second config with other widths, two heads and DeepSeek-V2-Lite's YaRN temperature (mscale = mscale_all_dim =
 # 0.707), so that an answer with K2-nano's numbers written in fails.
@@ -250,9 +274,16 @@ def check_mla_forward(fn: Callable, absorbed: bool = False) -> Verdict:
         expanded = _forbidden_expansion(watch, where) if absorbed else None
         if expanded is not None:
             return expanded
-        verdict = compare(where, out, expected, partial(mla_mistakes, w, cfg, hidden, cos, sin), atol=1e-4)
+        verdict = compare(where, out, expected, partial(mla_mistakes, w, cfg, hidden, cos, sin), atol=1e-4,
+                          axes={1: "positions"})
+        if not verdict.ok and verdict.mistake is None and as_tensor(out) is not None \
+                and as_tensor(out).shape == expected.shape:
+            return named("position 0 is wrong too, where each query sees only its own key and turns by angle 0, so "
+                         "the slip is not (only) in the mask, the rotation or the scale: look at the projections, "
+                         "the latent norms, the split of each head into [nope | rope] and [k_nope | v], the values "
+                         "and o_proj", where)
         if not verdict.ok:
-            return verdict
+            return mixing(verdict)
     configs = " and ".join(name for name, _ in MLA_CONFIGS)
     built = ", and no per-head key or value was built" if absorbed else ""
     return Verdict(True, f"{what}: matches k2lab on {configs}{built}")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ...config import K2Config
 from ...model.layers import RMSNorm, SwiGLU
 from ...model.moe import Router
-from .checking import Verdict, call, checker, compare, generator, named
+from .checking import Verdict, as_tensor, call, checker, compare, generator, named, same, scales_with
 
 # --- 04: the router's five stages ---------------------------------------------------------------------------------
 
@@ -81,7 +81,17 @@ def _check_one_router(fn: Callable, name: str, cfg: K2Config, seed: int) -> Verd
             if torch.equal(out_idx, candidate):
                 return named(f"chosen experts: {message}", where)
         rows = int((out_idx != idx).any(-1).sum())
-        return Verdict(False, f"{where}: chosen experts differ from k2lab's in {rows} of {len(idx)} tokens")
+        differ = f"your chosen experts differ from k2lab's in {rows} of {len(idx)} tokens"
+        unbiased, error = call(fn, x.clone(), router.weight.detach().clone(), torch.zeros_like(bias), k, scaling,
+                               keep=False)
+        if error is None and isinstance(unbiased, (tuple, list)) and len(unbiased) == 2:
+            chosen = torch.as_tensor(unbiased[0]).detach().cpu().long().sort(-1).values
+            if chosen.shape == idx.shape and torch.equal(chosen, top(s)):
+                return named(f"{differ}; with a zero bias they are right, so the bias is used wrongly: the choice "
+                             f"is top-k of s + bias (the bias added to the sigmoid scores)", where)
+            return named(f"{differ}, even with a zero bias: the scores you rank are not the sigmoid scores "
+                         f"s = sigmoid(x W^T) (plus the bias)", where)
+        return Verdict(False, f"{where}: {differ}")
     picked = lambda scores: scores.gather(-1, idx)  # noqa: E731
     renorm = lambda w: w / w.sum(-1, keepdim=True)  # noqa: E731
 
@@ -107,7 +117,17 @@ def _check_one_router(fn: Callable, name: str, cfg: K2Config, seed: int) -> Verd
         return found
 
     verdict = compare(f"{where}, weights", out_w, weights, mistakes)
-    return None if verdict.ok else verdict
+    if verdict.ok:
+        return None
+    if verdict.mistake is None:
+        sums = out_w.double().sum(-1)
+        if not torch.allclose(sums, torch.full_like(sums, scaling), atol=1e-4, rtol=1e-4):
+            low, high = sums.aminmax()
+            return named(f"your weights sum to {low.item():.4g} .. {high.item():.4g} per token; they sum to the "
+                         f"routed scaling ({scaling:g}): renormalise over the chosen experts, then scale", where)
+        return named("your weights sum to the routed scaling, but are not proportional to the chosen experts' "
+                     "sigmoid scores s (the bias, a softmax or another score in them?)", where)
+    return verdict
 
 
 @checker
@@ -156,7 +176,13 @@ def check_rms_norm(fn: Callable) -> Verdict:
         ("you averaged over the wrong dimension: normalise over the last one, the features",
          x / (x.pow(2).mean(0, keepdim=True) + eps).sqrt() * w),
     ]
-    return compare("RMSNorm", out, expected, mistakes)
+    verdict = compare("RMSNorm", out, expected, mistakes, terms={"x, your input": x}, axes={1: "position"})
+    if verdict.ok or verdict.mistake is not None:
+        return verdict
+    if scales_with(fn, (x, w, eps), 1, out) is False:
+        return named("the weight multiplies the normalised x, so doubling `weight` must double your output, and "
+                     "yours does not: x / rms(x) * weight", "RMSNorm")
+    return verdict
 
 
 @checker
@@ -189,7 +215,20 @@ def check_swiglu(fn: Callable) -> Verdict:
         ("GELU instead of SiLU (silu(z) = z * sigmoid(z))", (F.gelu(a) * b) @ down.T),
         ("you left out the up projection: the gate multiplies up(x)", F.silu(a) @ down.T),
     ]
-    return compare("SwiGLU", out, expected, mistakes)
+    verdict = compare("SwiGLU", out, expected, mistakes)
+    if verdict.ok or verdict.mistake is not None:
+        return verdict
+    for index, name, role in ((3, "down", "the down projection comes last, with nothing after it"),
+                              (2, "up", "up x multiplies silu(gate x): it is neither added nor put through a "
+                                        "nonlinearity")):
+        linear = scales_with(fn, (x, gate, up, down), index, out)
+        if linear is False:
+            return named(f"SwiGLU is linear in its {name} projection, so doubling `{name}` must double your output, "
+                         f"and yours does not: {role}; down(silu(gate x) * up x)", "SwiGLU")
+        if linear is None:
+            return verdict
+    return named("your output is linear in up and in down, as it should be, so what differs is the gate's side: "
+                 "silu(gate x), with silu(z) = z * sigmoid(z)", "SwiGLU")
 
 
 @checker
@@ -212,7 +251,20 @@ def check_moe_combine(fn: Callable) -> Verdict:
         ("you renormalised the weights to sum to 1; they already carry routed_scaling_factor",
          shared + (expert_out * (weights / weights.sum(-1, keepdim=True))[..., None]).sum(1)),
     ]
-    return compare("MoE combine", out, expected, mistakes)
+    verdict = compare("MoE combine", out, expected, mistakes, axes={0: "tokens"})
+    if verdict.ok or verdict.mistake is not None:
+        return verdict
+    probes = [((torch.zeros_like(shared), expert_out, weights), routed, "with the shared expert zero your output is "
+               "the weighted sum, which is right, so what you do with the shared expert is wrong: it is added once, "
+               "unweighted"),
+              ((shared, torch.zeros_like(expert_out), weights), shared, "with every expert's output zero your output "
+               "is the shared expert, which is right, so the routed part is wrong: the sum over the k slots of "
+               "weight * expert output")]
+    for args, right, message in probes:
+        alone, error = call(fn, *args, keep=False)
+        if error is None and as_tensor(alone) is not None and same(as_tensor(alone), right, 1e-5, 1e-4):
+            return named(message, "MoE combine")
+    return verdict
 
 
 @checker
@@ -260,4 +312,22 @@ def check_block(fn: Callable) -> Verdict:
             ("you swapped the norms: attention reads input_norm(x), the FFN reads post_norm(.) (its "
              "post_attention_layernorm)", (x + attn(n2(x))) + ffn(n1(x + attn(n2(x))))),
         ]
-        return compare("pre-norm block", out, expected, mistakes)
+        verdict = compare("pre-norm block", out, expected, mistakes)
+        if verdict.ok or verdict.mistake is not None:
+            return verdict
+        zero = lambda h: torch.zeros_like(h)  # noqa: E731
+        still, error = call(fn, x.clone(), n1, zero, n2, zero, keep=False)
+        if error is None and as_tensor(still) is not None and not same(as_tensor(still), x, 1e-5, 1e-4):
+            return named("with attention and the FFN both returning zeros your block must give x back (the residual "
+                         "stream passes through untouched: the norms only shape what each sublayer reads), and yours "
+                         "does not", "pre-norm block")
+        halves = [((x, n1, attn, n2, zero), mid, "with the FFN returning zeros your block gives x + "
+                   "attn(input_norm(x)), which is right, so the FFN half is wrong: it adds ffn(post_norm(h)), h the "
+                   "stream after attention"),
+                  ((x, n1, zero, n2, ffn), x + ffn(n2(x)), "with attention returning zeros your block is right, so "
+                   "the attention half is wrong: h = x + attn(input_norm(x)), the residual kept")]
+        for args, right, message in halves:
+            alone, error = call(fn, *args, keep=False)
+            if error is None and as_tensor(alone) is not None and same(as_tensor(alone), right, 1e-5, 1e-4):
+                return named(message, "pre-norm block")
+        return verdict

@@ -396,6 +396,19 @@ def call(fn: Callable, *args: Any, keep: bool | Sequence[int] = True, in_place: 
     return out, None
 
 
+def scales_with(fn: Callable, args: Sequence[Any], index: int, out: Any, factor: float = 2.0, *,
+                atol: float = 1e-5, rtol: float = 1e-4) -> bool | None:
+    """Whether the learner's output is multiplied by ``factor`` when argument ``index`` is (a property the right
+    answer has: SwiGLU is linear in its up and down projections, say); None when the second run fails."""
+    scaled = list(args)
+    scaled[index] = args[index] * factor
+    again, error = call(fn, *scaled, keep=False)
+    first, second = as_tensor(out), as_tensor(again)
+    if error is not None or first is None or second is None or first.shape != second.shape:
+        return None
+    return same(second, first * factor, atol + rtol * factor * first.double().abs().max().item(), rtol)
+
+
 def same(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> bool:
     return a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=atol, rtol=rtol)
 
@@ -411,16 +424,21 @@ def as_tensor(out: Any) -> torch.Tensor | None:
 
 
 def compare(what: str, out: Any, expected: torch.Tensor, mistakes: Mistakes = (), *,
-            atol: float = 1e-5, rtol: float = 1e-4) -> Verdict:
+            atol: float = 1e-5, rtol: float = 1e-4, axes: Mapping[int, str] | None = None,
+            terms: Mapping[str, torch.Tensor] | None = None) -> Verdict:
     """Compare the learner's tensor with the expected one; name the mistake it matches, else say how it differs.
     All of them are compared on the CPU, wherever each was computed: in float64, which not every device has.
-    ``mistakes`` may be a function that makes the list: it is called only when the answer is wrong."""
+    ``mistakes`` may be a function that makes the list: it is called only when the answer is wrong. ``axes`` names
+    the axes along which the answer may be right in some places and wrong in others ({1: "position"}), and
+    ``terms`` tensors that a wrong answer may have added or left out ({"x": x}), for ``diagnose``."""
     if out is None:
         return named("your function returned None; did you forget `return`?", what)
     tensor = as_tensor(out)
     if tensor is None:
         return named(f"expected a tensor of shape {list(expected.shape)}, got a {type(out).__name__}", what)
     out, expected = tensor, torch.as_tensor(expected).detach().cpu()
+    if out.numel() == expected.numel() == 1:  # a number: 0.5, tensor(0.5) and tensor([0.5]) alike
+        out = out.reshape(expected.shape)
     if same(out, expected, atol, rtol):
         gap = (out.double() - expected.double()).abs().max().item() if out.numel() else 0.0
         return Verdict(True, f"{what}: matches k2lab (max |difference| {gap:.1e})")
@@ -432,17 +450,83 @@ def compare(what: str, out: Any, expected: torch.Tensor, mistakes: Mistakes = ()
         if same(out, candidate, loose, rtol):
             return named(message, what)
     if out.shape != expected.shape:
+        if out.numel() == expected.numel():
+            return named(f"wrong shape: got {list(out.shape)}, expected {list(expected.shape)} (as many numbers: "
+                         f"a reshape or an axis in the wrong place?)", what)
         return named(f"wrong shape: got {list(out.shape)}, expected {list(expected.shape)}", what)
     if not torch.isfinite(out).all():
         return named("your output has NaN or infinite values", what)
-    big = expected.double().abs() > 1e-3 * expected.double().abs().max()
-    if big.any():
-        ratio = out.double()[big] / expected.double()[big]
-        # A constant ratio away from 1 (an answer equal on its large entries and off on small ones has ratio ~1).
-        if ratio.numel() > 1 and ratio.std() < 1e-4 * ratio.abs().mean() and abs(ratio.mean() - 1) > 1e-3:
-            return named(f"wrong scale: yours is {ratio.mean().item():.4g} times the right answer", what)
+    diagnosis = diagnose(out, expected, atol, rtol, axes or {}, terms or {})
+    if diagnosis is not None:
+        return named(diagnosis, what)
     gap = (out.double() - expected.double()).abs().max().item()
     return Verdict(False, f"{what}: differs from k2lab by up to {gap:.3g} (and matches no common mistake we know)")
+
+
+def _constant(values: torch.Tensor, tolerance: float = 1e-4) -> bool:
+    values = values[torch.isfinite(values)]
+    return values.numel() > 0 and bool(values.std(correction=0) <= tolerance * values.abs().mean())
+
+
+def _indices(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+
+
+def diagnose(out: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float, axes: Mapping[int, str],
+             terms: Mapping[str, torch.Tensor] | None = None) -> str | None:
+    """How a wrong answer of the right shape differs, where the difference has a shape that says something: the
+    right numbers in another order, one factor for the whole answer, one per row or one per feature (the last axis),
+    one constant added, a multiple of one of ``terms`` added (or taken away), or right at some indices of a named
+    axis and wrong at others. None when it has none."""
+    o, e = out.double(), expected.double()
+    if o.numel() > 1 and torch.allclose(o.flatten().sort().values, e.flatten().sort().values, atol=atol, rtol=rtol):
+        return ("your numbers are the right ones in another order: an axis transposed or permuted (compare your "
+                "layout with the docstring's shapes)")
+    scale = e.abs().max()
+    big = e.abs() > 1e-3 * scale
+    ratio = torch.where(big, o / e, torch.nan)
+    if big.sum() > 1 and _constant(ratio) and abs(ratio[big].mean() - 1) > 1e-3:
+        return f"wrong scale: yours is {ratio[big].mean().item():.4g} times the right answer"
+    if o.ndim >= 2 and o.shape[-1] > 1 and o.numel() > o.shape[-1]:
+        rows, cols = ratio.reshape(-1, o.shape[-1]), ratio.reshape(-1, o.shape[-1]).T
+        for lines, what, cause in ((rows, "row (along the last axis)", "what each row is divided or multiplied by"),
+                                   (cols, "feature (the last axis)", "a per-feature factor (a weight)")):
+            factors = torch.stack([line[torch.isfinite(line)].mean() if torch.isfinite(line).any() else
+                                   torch.tensor(torch.nan, dtype=line.dtype) for line in lines])
+            if all(_constant(line) for line in lines if torch.isfinite(line).any()) and not _constant(factors, 1e-3):
+                low, high = factors[torch.isfinite(factors)].aminmax()
+                return (f"each {what} is off by its own factor ({low.item():.3g} to {high.item():.3g} times the right "
+                        f"one): {cause} is wrong")
+    diff = o - e
+    if o.numel() > 1 and diff.std(correction=0) <= atol + rtol * scale and diff.mean().abs() > atol + rtol * scale:
+        return f"yours is the right answer plus a constant ({diff.mean().item():.4g}) everywhere"
+    for name, term in (terms or {}).items():
+        t = torch.as_tensor(term).detach().double().cpu().expand_as(o)
+        if t.abs().max() == 0:
+            continue
+        c = (diff * t).sum() / (t * t).sum()  # the best multiple of the term
+        if abs(c) > 1e-3 and same(diff, c * t, atol + rtol * scale, rtol):
+            if abs(c - 1) < 1e-3:
+                return f"yours is the right answer plus {name}: it has no place in the result"
+            if abs(c + 1) < 1e-3:
+                return f"yours is the right answer minus {name}: you left {name} out"
+            return f"yours is the right answer plus {c.item():.3g} times {name}"
+    for axis, name in axes.items():
+        if axis >= o.ndim or o.shape[axis] < 2:
+            continue
+        matches = [same(o.select(axis, i), e.select(axis, i), atol, rtol) for i in range(o.shape[axis])]
+        if any(matches) and not all(matches):
+            right = [i for i, m in enumerate(matches) if m]
+            wrong = [i for i, m in enumerate(matches) if not m]
+            return f"yours is right at {name} {_indices(right)} and wrong at {name} {_indices(wrong)}"
+    return None
 
 
 # --- watching how an answer is computed --------------------------------------------------------------------------
@@ -481,6 +565,7 @@ class _Target:
     name: str
     values: torch.Tensor  # [numel] normalised
     position: int | None  # the sequence position this piece holds alone, None for pieces over every position
+    any_scale: bool = True  # matched at any nonzero multiple, else as these very numbers
 
 
 class Watch(TorchDispatchMode):
@@ -506,13 +591,15 @@ class Watch(TorchDispatchMode):
         self._functions: list[str] = []
         self._function_mode = _CurrentFunction(self._functions)
 
-    def forbid(self, name: str, t: torch.Tensor, loop_dims: Sequence[int] = (), position_dim: int | None = None
-               ) -> Watch:
+    def forbid(self, name: str, t: torch.Tensor, loop_dims: Sequence[int] = (), position_dim: int | None = None,
+               any_scale: bool = True) -> Watch:
         """Forbid ``t`` and every piece a loop over some of ``loop_dims`` makes of it (``position_dim``, one of
-        them, is the sequence axis)."""
+        them, is the sequence axis); ``any_scale=False`` looks for these very numbers only (to see whether a step
+        was taken: G divided by its norm, say)."""
         for piece, index in _slices(t, loop_dims):
             position = index.get(position_dim) if position_dim is not None else None
-            self._targets.setdefault(piece.numel(), []).append(_Target(name, _normalised(piece), position))
+            values = _normalised(piece) if any_scale else piece.detach().double().cpu().flatten().sort().values
+            self._targets.setdefault(piece.numel(), []).append(_Target(name, values, position, any_scale))
         return self
 
     def __enter__(self) -> Watch:
@@ -537,8 +624,10 @@ class Watch(TorchDispatchMode):
         if not targets or not result.is_floating_point() or result.device.type == "meta":
             return
         values = _normalised(result)
+        exact = result.detach().double().cpu().flatten().sort().values
         for target in targets:
-            if target.name in self.found or not torch.allclose(values, target.values, atol=self.atol, rtol=0):
+            mine = values if target.any_scale else exact
+            if target.name in self.found or not torch.allclose(mine, target.values, atol=self.atol, rtol=0):
                 continue
             if target.position is not None:
                 positions = self._positions.setdefault(target.name, set())

@@ -97,6 +97,12 @@ class ModelState:
 # --- greedy decoding ----------------------------------------------------------------------------------------------
 
 
+def _ordinal(n: int) -> str:
+    """1 -> "1st", 12 -> "12th", 33 -> "33rd"."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def _piece(model: torch.nn.Module, token: int) -> str:
     tok = getattr(model, "tokenizer", None)
     try:
@@ -133,14 +139,17 @@ def check_greedy(fn: Callable, model: torch.nn.Module, ids: torch.Tensor, new_to
 
     def mistakes() -> list[tuple[str, torch.Tensor]]:
         with torch.no_grad():
-            from_first = ids
-            for _ in range(n_out):  # each step's argmax over the FIRST position's logits
+            from_first, last_only = ids, ids
+            for _ in range(n_out):  # each step's argmax over the FIRST position's logits; of the last token alone
                 from_first = torch.cat([from_first, model(from_first)[:, 0].argmax(-1, keepdim=True)], dim=1)
+                last_only = torch.cat([last_only, model(last_only[:, -1:])[:, -1].argmax(-1, keepdim=True)], dim=1)
         return [("you returned only the new tokens; return the prompt followed by them", expected[:, T:]),
                 ("every new token is the same: feed each chosen token back in before the next step",
                  torch.cat([ids, first.expand(1, n_out)], dim=1)),
                 ("you took the argmax of the FIRST position's logits; the next token comes from the last position's, "
-                 "logits[:, -1]", from_first)]
+                 "logits[:, -1]", from_first),
+                ("you ran the model on the last token alone: without a cache, each step runs the model on the whole "
+                 "sequence so far (the last token's logits then see every token before it)", last_only)]
 
     verdict = compare("greedy decoding", out, expected, mistakes, atol=0, rtol=0)
     answer = torch.as_tensor(out).detach().cpu() if isinstance(out, torch.Tensor) else None
@@ -152,9 +161,14 @@ def check_greedy(fn: Callable, model: torch.nn.Module, ids: torch.Tensor, new_to
                      "the new tokens", "greedy decoding")
     step = int((answer[0, T:] != reference[0, T:]).nonzero()[0]) if answer.shape[0] == 1 else 0
     yours, right = int(answer[0, T + step]), int(reference[0, T + step])
-    return Verdict(False, f"greedy decoding: the first {step} new tokens agree; step {step + 1} differs: yours is "
-                          f"{yours}{_piece(model, yours)}, k2lab.generate's {right}{_piece(model, right)} (the "
-                          f"argmax of the last position's logits after the {T + step} tokens before it)")
+    with torch.no_grad():
+        logits = model(reference[:, : T + step].to(model.device))[0, -1].float().cpu()  # [V] the right context's
+    rank = int((logits > logits[yours]).sum()) + 1 if 0 <= yours < logits.numel() else None
+    how = (f"yours is the {_ordinal(rank)} most likely token there, not the argmax: sampled, or taken from other "
+           f"logits?" if rank else "yours is not a token id of this model")
+    return named(f"the first {step} new tokens agree; step {step + 1} differs: yours is {yours}"
+                 f"{_piece(model, yours)}, k2lab.generate's {right}{_piece(model, right)}, the argmax of the last "
+                 f"position's logits after the {T + step} tokens before it; {how}", "greedy decoding")
 
 
 # --- the whole model from its weights -----------------------------------------------------------------------------
@@ -399,4 +413,9 @@ def check_model_from_weights(fn: Callable, model: K2Model | None = None, ids: to
                    "causal mask, its rotations, its scale), since at position 0 a query sees only its own key and "
                    "the rotation turns by 0; run check_mla_forward on your MLA")
         return named(f"{message} ({verdict.message.split(': ', 1)[1]})", "K2 from its weights")
+    if answer is not None and answer.shape == expected.shape and verdict.mistake is None:
+        return named("position 0 is wrong too (where attention only passes each token's own value through), so the "
+                     "slip is not only in how attention mixes positions: it is in a piece that works token by token "
+                     "(a norm, a SwiGLU, the router, the head) or in attention's projections; run check_rms_norm, "
+                     "check_swiglu, check_router, check_block and check_mla_forward on yours", "K2 from its weights")
     return verdict

@@ -193,8 +193,13 @@ def check_yarn_frequencies(fn: Callable) -> Verdict:
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             return named("return two things, (inv_freq [R/2], softmax_scale)", name)
         inv_freq, scale = out
+        low, high = yarn_correction_range(cfg)
         verdict = compare(f"{name}'s inverse frequencies", inv_freq, inverse_frequencies(cfg).double(),
-                          _yarn_mistakes(cfg), atol=1e-12, rtol=1e-5)
+                          _yarn_mistakes(cfg), atol=1e-12, rtol=1e-5, axes={0: "pairs"})
+        if (verdict.mistake or "").startswith("yours is right at pairs"):
+            verdict = named(f"{verdict.mistake} (here low = {low}, high = {high}: pairs up to low keep their "
+                            f"frequency, pairs from high on are divided by the factor, the ramp (i - low) / (high - "
+                            f"low) blends those between)", f"{name}'s inverse frequencies")
         if not verdict.ok:
             return verdict
         try:
@@ -205,6 +210,10 @@ def check_yarn_frequencies(fn: Callable) -> Verdict:
                           torch.tensor(cfg.softmax_scale, dtype=torch.float64),
                           [(message, torch.tensor(value)) for message, value in _scale_mistakes(cfg)],
                           atol=0, rtol=1e-6)
+        if not verdict.ok and verdict.mistake is None and scale > 0:
+            implied = (scale * cfg.qk_head_dim**0.5) ** 0.5  # the m of a scale (N + R)^-1/2 * m^2
+            return named(f"yours is (N + R)^-1/2 * m^2 with m = {implied:.6g}; YaRN's temperature is m = 0.1 * "
+                         f"mscale_all_dim * ln(factor) + 1 = {cfg.yarn_mscale:.6g}", f"{name}'s softmax scale")
         if not verdict.ok:
             return verdict
     k2, v3 = (yarn_correction_range(cfg) for _, cfg in configs[:2])

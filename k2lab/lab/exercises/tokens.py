@@ -16,10 +16,11 @@ Merge = tuple[bytes, bytes]
 # A toy rank file on which the right rule (merge the lowest-ranked pair, repeat) and each wrong one learners write
 # (the first mergeable pair from the left, the highest rank first, one merge only, the longest known token from the
 # left, the pair ranked by its left part, every local minimum merged in one sweep) give different parts on at least
-# one piece, and no two wrong rules agree on all of them.
+# one piece, and no two wrong rules agree on all of them; one piece becomes a single token, so that a rule that stops
+# early (at two parts, say) shows.
 _TOY_RANKS = {bytes([b]): b for b in range(256)} | {b"cc": 256, b"cca": 257, b"acca": 258, b"ccca": 259, b"ba": 260,
                                                     b"ac": 261}
-_TOY_PIECES = [b"bacca", b"baccca", b"baccc", b"acccc"]
+_TOY_PIECES = [b"bacca", b"baccca", b"baccc", b"acccc", b"acca"]  # the last merges down to one token
 
 
 def _bytes_of(piece: bytes) -> list[bytes]:
@@ -157,6 +158,15 @@ def check_bpe(fn: Callable) -> Verdict:
     piece, out, right = next(case for case in zip(_TOY_PIECES, outputs, expected, strict=True) if case[1] != case[2])
     if b"".join(out) != piece:
         return named(f"{piece!r}: your parts do not join back to the piece: {out}")
+    unknown = [part for part in out if part not in _TOY_RANKS]
+    if unknown:
+        return named(f"{piece!r}: your parts {unknown} are not tokens of the ranks: every part is a token, and a "
+                     f"merge makes one only when left + right is in the ranks")
+    left = [(out[i], out[i + 1]) for i in range(len(out) - 1) if out[i] + out[i + 1] in _TOY_RANKS]
+    if left:
+        a, b = left[0]
+        return named(f"{piece!r}: your parts {out} still hold a pair the ranks can merge ({a!r} + {b!r} = "
+                     f"{a + b!r}, rank {_TOY_RANKS[a + b]}): keep merging while any adjacent pair is in the ranks")
     return Verdict(False, f"{piece!r}: expected {right}, got {out}")
 
 
@@ -344,7 +354,7 @@ NOT_MOST_FREQUENT = "that is not a most frequent pair"
 
 
 def _diagnose_merge(texts: list[str], pre_tokenize: Callable[[str], list[str]], done: list[Merge],
-                    merge: Merge) -> tuple[str, str]:
+                    merge: Merge, later_merges: list[Merge] = ()) -> tuple[str, str]:
     """Why ``merge`` is not a most frequent pair after the right merges ``done``: (the mistake, details), from that
     step alone (when no usual mistake learns the whole list)."""
     pieces = [piece for text in texts for piece in pre_tokenize(text)]
@@ -364,7 +374,15 @@ def _diagnose_merge(texts: list[str], pre_tokenize: Callable[[str], list[str]], 
                 f"and any text can be encoded"), situation
     if 0 < counts.get(merge, 0) == min(counts.values()):
         return "you merged the least frequent pair; merge the MOST frequent one", situation
+    later = [(k, m) for k, m in enumerate(later_merges, start=len(done) + 2) if m[0] + m[1] in merge]
+    if merge not in counts and later:
+        k, m = later[0]
+        return (f"your merges are out of order: {merge} needs {m[0] + m[1]!r}, which your merge {k} makes; return "
+                f"them in the order they were learned"), situation
     if merge not in counts:
+        if merge in _pair_counts(_words(pieces, _as_bytes)):
+            return ("that pair occurs in the text, but no longer once the earlier merges are made everywhere: merge "
+                    "each learned pair at every place it occurs, in every pre-token, before counting again"), situation
         return "that pair never occurs next to each other after the earlier merges", situation
     return NOT_MOST_FREQUENT, situation
 
@@ -394,7 +412,7 @@ def check_bpe_training(fn: Callable) -> Verdict:
         if counts and counts.get(merge, 0) == max(counts.values()):
             words = _merged(words, [merge])
             continue
-        mistake, situation = _diagnose_merge(list(_CORPUS), pre_tokenize, merges[:i], merge)
+        mistake, situation = _diagnose_merge(list(_CORPUS), pre_tokenize, merges[:i], merge, merges[i + 1:])
         mistake = _diagnose_rule(list(_CORPUS), pre_tokenize, merges[:_NUM_MERGES]) or mistake
         if mistake == NOT_MOST_FREQUENT:
             return Verdict(False, f"BPE training, merge {i + 1}: {mistake} ({situation})")

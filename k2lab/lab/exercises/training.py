@@ -10,7 +10,7 @@ import torch
 from ...config import K2Config
 from ...model.transformer import K2Model
 from ...training.optim import _NS_COEFFS, balance_router_bias, newton_schulz, qk_clip
-from .checking import Verdict, Watch, call, checker, compare, generator, named
+from .checking import Verdict, Watch, as_tensor, call, checker, compare, generator, named
 
 # --- the bias update ----------------------------------------------------------------------------------------------
 
@@ -61,7 +61,24 @@ def check_bias_update(fn: Callable) -> Verdict:
         (smooth, bias + u * diff.clamp(-1, 1)),
         ("you divided by the mean load: the step is u * sign(mean - c), in units of u", bias + u * diff / mean),
     ]
-    return compare("bias update", out, expected, mistakes, atol=1e-3 * u, rtol=0)
+    verdict = compare("bias update", out, expected, mistakes, atol=1e-3 * u, rtol=0)
+    answer = as_tensor(out)
+    if verdict.ok or verdict.mistake is not None or answer is None or answer.shape != expected.shape:
+        return verdict
+    steps = (answer.double() - bias.double()) / u  # in units of u: -1, 0 or +1 each
+    if not torch.isclose(steps, steps.round(), atol=1e-3).all() or steps.abs().max() > 1 + 1e-3:
+        sizes = sorted({round(v, 3) for v in steps.flatten().tolist()})
+        shown = ", ".join(f"{v:g}" for v in sizes[:6]) + (", ..." if len(sizes) > 6 else "")
+        return named(f"each step moves a bias by exactly u, up or down (or not at all at the mean); yours moves them "
+                     f"by {shown} times u", "bias update")
+    wrong = (steps.round() != torch.sign(mean - counts).double()).nonzero()
+    layer, expert = wrong[0].tolist()
+    c, m = counts[layer, expert].item(), mean[layer, 0].item()
+    should = {1: "up by u (it is under the mean)", -1: "down by u (it is over the mean)",
+              0: "nowhere (it is at the mean)"}
+    return named(f"{len(wrong)} of your steps point the wrong way; e.g. layer {layer}, expert {expert}: {c:g} tokens "
+                 f"against a mean of {m:.4g}, so its bias moves {should[int(torch.sign(torch.tensor(m - c)))]}, and "
+                 f"yours moves {should[int(steps[layer, expert].round())].split(' (')[0]}", "bias update")
 
 
 # --- Newton-Schulz ------------------------------------------------------------------------------------------------
@@ -105,7 +122,7 @@ def check_newton_schulz(fn: Callable) -> Verdict:
     for g, steps in cases:
         shape = "tall" if g.shape[0] > g.shape[1] else "wide"
         what = f"Newton-Schulz ({shape} {g.shape[0]}x{g.shape[1]})"
-        watch = Watch()
+        watch = Watch().forbid("G / |G|", g / g.norm(), any_scale=False)  # seen, not forbidden: was G normalised?
         with watch, torch.no_grad():
             out, error = call(fn, g.clone(), steps, own={newton_schulz: "newton_schulz"})
         if error is not None:
@@ -132,8 +149,11 @@ def check_newton_schulz(fn: Callable) -> Verdict:
              _newton_schulz_variant(g, 5 if steps != 5 else 3)),
         ]
         if isinstance(out, torch.Tensor) and not torch.isfinite(out.detach()).all():
-            return named("your iteration blew up (NaN or infinity): normalise G first, so that every singular value "
-                         "is at most 1", what)
+            how = ("you did divide G by its Frobenius norm, so the update is what diverges: a X + (b A + c A^2) X "
+                   "with A = X X^T and (a, b, c) = (3.4445, -4.7750, 2.0315)" if "G / |G|" in watch.found else
+                   "divide G by its Frobenius norm first, so that every singular value is at most 1, where the "
+                   "iteration converges")
+            return named(f"your iteration blew up (NaN or infinity): {how}", what)
         low = next((d for d in (torch.bfloat16, torch.float16) if d in watch.dtypes
                     or isinstance(out, torch.Tensor) and out.dtype == d), None)
         if low is None:
@@ -149,6 +169,8 @@ def check_newton_schulz(fn: Callable) -> Verdict:
             else:
                 verdict = Verdict(False, f"{verdict.message} (computed in {name}; this check compares in float32, "
                                          f"allowing {name} rounding: {tolerance:.1e})", mistake=verdict.mistake)
+        if not verdict.ok and verdict.mistake is None and isinstance(out, torch.Tensor) and out.shape == g.shape:
+            return _singular_diagnosis(g, out, expected, what)
         if not verdict.ok:
             return verdict
     sv = torch.linalg.svdvals(newton_schulz(cases[0][0], cases[0][1], dtype=torch.float32))
@@ -156,6 +178,22 @@ def check_newton_schulz(fn: Callable) -> Verdict:
                 f"rounding ({'; '.join(low_precision)}), on" if low_precision else "matches k2lab on")
     return Verdict(True, f"Newton-Schulz: {rounding} a tall and a wide matrix; the singular values land in "
                          f"[{sv.min():.2f}, {sv.max():.2f}], a band around 1, not at 1")
+
+
+def _singular_diagnosis(g: torch.Tensor, out: torch.Tensor, expected: torch.Tensor, what: str) -> Verdict:
+    """Why a Newton-Schulz answer is wrong, from its singular vectors and values against G's and the right ones."""
+    u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    inner = u.T @ out.detach().double().cpu() @ vh.T  # diagonal when out has G's singular vectors
+    diagonal = inner.diagonal()
+    if (inner - torch.diag(diagonal)).abs().max() > 1e-3 * diagonal.abs().max():
+        return named("your output does not have G's singular vectors: the iteration keeps them and moves only the "
+                     "singular values (X <- a X + (b A + c A^2) X, every term a product with X on the right, "
+                     "A = X X^T)", what)
+    right = torch.linalg.svdvals(expected.double())
+    yours = diagonal.abs().sort(descending=True).values
+    return named(f"your output has G's singular vectors but other singular values ({yours.min():.3g} to "
+                 f"{yours.max():.3g}; after these steps they are {right.min():.3g} to {right.max():.3g}): the "
+                 f"coefficients, the normalisation or the number of steps differ", what)
 
 
 # --- QK-Clip ------------------------------------------------------------------------------------------------------
@@ -182,6 +220,23 @@ def _flat(head: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def _scaled(head: dict[str, torch.Tensor], **factors: float) -> dict[str, torch.Tensor]:
     return {part: t * factors.get(part, 1.0) for part, t in head.items()}
+
+
+def _factors_diagnosis(head: dict[str, torch.Tensor], out: dict, gamma: float, what: str) -> Verdict:
+    """Each part's factor in the learner's answer against K2's, when each part is a multiple of the original."""
+    right = {"q_nope": gamma**0.5, "k_nope": gamma**0.5, "q_pe": gamma, "v": 1.0, "k_pe": 1.0}
+    factors = {}
+    for part in HEAD_PARTS:
+        before, after = head[part].double().flatten(), torch.as_tensor(out[part]).detach().double().cpu().flatten()
+        factor = (before @ after / (before @ before)).item()
+        if not torch.allclose(after, factor * before, atol=1e-6, rtol=1e-5):
+            return named(f"your {part} is not a multiple of the original rows: QK-Clip only scales each part",
+                         what)
+        factors[part] = factor
+    wrong = [part for part in HEAD_PARTS if abs(factors[part] - right[part]) > 1e-6]
+    shown = "; ".join(f"{part} x{factors[part]:.4g} (K2: x{right[part]:.4g})" for part in wrong)
+    return named(f"your factors: {shown}, with gamma = {gamma:.4g}: q_nope and k_nope take sqrt(gamma) each, q_pe "
+                 f"the whole gamma, v and the shared k_pe none", what)
 
 
 @checker
@@ -243,6 +298,8 @@ def check_qk_clip(fn: Callable) -> Verdict:
             ("nothing was clipped although this head's max logit is above tau", head),
         ]
         verdict = compare(what, _flat(out), _flat(expected), [(m, _flat(c)) for m, c in mistakes], atol=1e-6)
+        if not verdict.ok and verdict.mistake is None:
+            return _factors_diagnosis(head, out, g, what)
         if not verdict.ok:
             return verdict
     gammas = [round(g, 3) for g in gamma.tolist()]
