@@ -122,6 +122,7 @@ def checker(check: Callable[..., Verdict]) -> Callable[..., Verdict]:
 
 
 def generator(seed: int) -> torch.Generator:
+    """A CPU random generator with this seed: each check draws its inputs from its own."""
     return torch.Generator().manual_seed(seed)
 
 
@@ -410,6 +411,7 @@ def scales_with(fn: Callable, args: Sequence[Any], index: int, out: Any, factor:
 
 
 def same(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> bool:
+    """Same shape and the same numbers to the tolerances, compared in float64."""
     return a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=atol, rtol=rtol)
 
 
