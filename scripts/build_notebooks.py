@@ -8,9 +8,12 @@ notebooks/NN_name.ipynb, executed with the bundled K2-nano so the committed note
 Source format: a line ``# %%`` starts a code cell, ``# %% [markdown]`` a markdown cell whose lines are written as
 ``# text``; ``# %% tags=["nbval-ignore-output"]`` gives a cell tags. Exercises keep their answers folded, one click
 away: a code cell tagged ``solution`` is stored with its source and its outputs collapsed (``jupyter.source_hidden``,
-``outputs_hidden``; still run by nbval), and a markdown cell tagged ``solution`` or ``hint`` is wrapped in
-``<details>`` under a "Solution" or "Hint" summary (its first line, when that is a ``**bold**`` title, becomes the
-summary instead).
+``outputs_hidden``, and the ``collapsed`` flag JupyterLab adds beside them; still run by nbval), its first line the
+mark ``# Solution (click to show)`` (written in when the source does not start with it: the folded cell shows that
+line, and ``k2lab.lab.solutions`` folds what the cell prints when it runs); a markdown cell tagged ``solution`` or
+``hint`` is wrapped in ``<details>`` under a "Solution" or "Hint" summary (its first line, when that is a
+``**bold**`` title, becomes the summary instead). The notebook's kernelspec is the one JupyterLab writes (its display
+name "Python 3 (ipykernel)"), so that a notebook opens unmodified.
 K2LAB_* variables are cleared for the build, so the stored outputs are K2-nano's, unless ``--keep-env`` (to build
 with another model's outputs). Kernels run with OMP_NUM_THREADS=1 unless it is set, and with this checkout first on
 PYTHONPATH; run nbval the same way.
@@ -28,8 +31,12 @@ from pathlib import Path
 
 import nbformat
 
+from k2lab.lab.solutions import SOLUTION_MARK, is_solution
+
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
+# ipykernel's kernelspec as JupyterLab writes it into a notebook when the kernel starts
+KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 _HEADER = re.compile(r"# %%(?P<markdown> \[markdown\])?(?: tags=(?P<tags>\[.*\]))?\s*$")
 
 
@@ -48,7 +55,10 @@ def parse(source: str) -> nbformat.NotebookNode:
         elif kind == "code":
             metadata = {"tags": tags} if tags else {}
             if "solution" in tags:
-                metadata["jupyter"] = {"source_hidden": True, "outputs_hidden": True}
+                # JupyterLab writes collapsed beside outputs_hidden when it opens the notebook: written here, the
+                # notebook opens unmodified
+                metadata |= {"collapsed": True, "jupyter": {"source_hidden": True, "outputs_hidden": True}}
+                text = text if is_solution(text) else f"{SOLUTION_MARK}\n{text}"
             cells.append(nbformat.v4.new_code_cell(text, metadata=metadata))
 
     for line in source.splitlines():
@@ -61,7 +71,7 @@ def parse(source: str) -> nbformat.NotebookNode:
             lines.append(line)
     close()
     nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = KERNELSPEC
     nb.metadata["language_info"] = {"name": "python"}
     return nb
 
@@ -78,7 +88,7 @@ def fold(text: str, summary: str) -> str:
 
 def build(src: Path, timeout: int = 300) -> float:
     """Parse, execute in notebooks/ and write ``notebooks/<name>.ipynb``; returns the seconds it took."""
-    from nbclient import NotebookClient  # only for building; --check needs nbformat alone
+    from nbclient import NotebookClient  # only for building; --check runs no kernel
 
     nb = parse(src.read_text())
     start = time.perf_counter()
@@ -91,11 +101,17 @@ def build(src: Path, timeout: int = 300) -> float:
 
 
 def stale(src: Path) -> bool:
-    """Whether the committed notebook's cells (sources, kinds, tags) differ from what ``src`` says."""
+    """Whether the committed notebook differs from what ``src`` says: its cells (kinds, sources, tags, the folds'
+    metadata) or its kernelspec."""
     target = NOTEBOOKS / f"{src.stem}.ipynb"
     if not target.is_file():
         return True
-    key = lambda nb: [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in nb.cells]
+
+    def key(nb: nbformat.NotebookNode) -> list:
+        cells = [(c.cell_type, c.source, c.metadata.get("tags", []), c.metadata.get("collapsed"),
+                  c.metadata.get("jupyter")) for c in nb.cells]
+        return [nb.metadata.get("kernelspec"), *cells]
+
     return key(nbformat.read(target, as_version=4)) != key(parse(src.read_text()))
 
 

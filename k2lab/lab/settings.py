@@ -41,6 +41,7 @@ from ..tokenizer.tokenizer import K2Tokenizer
 from ..weights.load import load, read_source_config
 from ..weights.placement import DeviceMap
 from .nano import NANO_DIR
+from .solutions import install as install_solution_cells
 
 NANO = "nano"
 """The name the parameter cell (and ``K2LAB_MODEL``) gives the bundled K2-nano."""
@@ -234,9 +235,11 @@ def _millions(n: int) -> str:
 def setup_notebook(renderer: str = "plotly_mimetype") -> None:
     """Notebook defaults: plotly figures render offline in JupyterLab (the ``plotly_mimetype`` renderer draws with the
     plotly.js inside plotly's lab extension; ``notebook_connected`` would need the internet), no autograd (the lab
-    only reads and edits activations), and no tokenizers fork warning."""
+    only reads and edits activations), and no tokenizers fork warning. In IPython, solution cells keep their output
+    folded and leave the learner's own answers in place (``k2lab.lab.solutions``)."""
     import plotly.io as pio
 
+    install_solution_cells()
     pio.renderers.default = renderer
     torch.set_grad_enabled(False)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -8,6 +8,7 @@ error as attributes, so a test (or a curious learner) can read the state without
 
 from __future__ import annotations
 
+import hashlib
 import html
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,12 +28,60 @@ from .tokens import tokens_html
 
 Rendered = go.Figure | str  # a figure, or HTML
 
+# What a notebook shows where an explorer's live controls cannot be drawn: opened before its cells run (JupyterLab
+# draws widgets only for a trusted notebook), or on a page made from the saved notebook.
+RUN_TO_EXPLORE = "Explorer: run this cell to explore (its controls need the running kernel)."
+
+_SHOWN: dict[str, Explorer] = {}  # the explorers made so far, by the id of their view
+
+
+class _Cells:
+    """The source of the IPython cell now running and how many explorers it has made so far, kept by a
+    ``pre_run_cell`` handler (registered on first use, once per shell)."""
+
+    source: str | None = None
+    made = 0
+    shells: set[int] = set()
+
+    @classmethod
+    def track(cls) -> bool:
+        """Start tracking the running shell's cells; False outside IPython."""
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return False
+        shell = get_ipython()
+        if shell is None:
+            return False
+        if id(shell) not in cls.shells:
+            cls.shells.add(id(shell))
+            shell.events.register("pre_run_cell", cls._started)
+            cls.source = getattr(shell, "history_manager", None) and shell.history_manager.input_hist_raw[-1]
+        return cls.source is not None
+
+    @classmethod
+    def _started(cls, info: Any) -> None:
+        cls.source, cls.made = info.raw_cell, 0
+
+
+def _stable_view_id() -> str | None:
+    """An id for an explorer's view that is the same each time its cell runs: made from the cell's source and the
+    explorer's place among those the cell makes. The notebook saved after a run then points at the widget state its
+    build stored, which JupyterLab draws when the notebook is opened again, instead of "model not found". None
+    outside IPython."""
+    if not _Cells.track():
+        return None
+    n, _Cells.made = _Cells.made, _Cells.made + 1
+    return "k2lab-explorer-" + hashlib.sha1(f"{_Cells.source}\0{n}".encode()).hexdigest()[:24]
+
 
 class Explorer:
     """Controls (name -> value widget) and an output area showing ``render(**values)``, redrawn on every change.
 
     ipywidgets swallow exceptions raised in callbacks, so a failed render is caught, shown in the output area and
-    kept in ``error``; ``figure`` keeps the last good result."""
+    kept in ``error``; ``figure`` keeps the last good result. In a notebook the explorer's view keeps one id across
+    runs of its cell (an explorer made again by the same cell replaces the one before), and carries the sentence
+    ``RUN_TO_EXPLORE`` for wherever the live controls cannot be drawn."""
 
     def __init__(self, controls: Mapping[str, widgets.ValueWidget], render: Callable[..., Rendered]):
         self.controls = dict(controls)
@@ -42,8 +91,19 @@ class Explorer:
         self.error: str | None = None
         for control in self.controls.values():
             control.observe(lambda change: self.update(), names="value")
-        self.widget = widgets.VBox([widgets.HBox(list(self.controls.values())), self.output])
+        view_id = _stable_view_id()
+        if view_id in _SHOWN:
+            _SHOWN.pop(view_id).close()
+        self.row = widgets.HBox(list(self.controls.values()))
+        self.widget = widgets.VBox([self.row, self.output], **({"model_id": view_id} if view_id else {}))
+        if view_id:
+            _SHOWN[view_id] = self
         self.update()
+
+    def close(self) -> None:
+        """Close the explorer's widgets (their models leave the kernel and the page)."""
+        for w in (self.widget, self.row, self.output, *self.controls.values()):
+            w.close()
 
     @property
     def state(self) -> dict[str, Any]:
@@ -65,7 +125,10 @@ class Explorer:
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
-        display(self.widget)
+        bundle = self.widget._repr_mimebundle_()
+        bundle["text/plain"] = RUN_TO_EXPLORE
+        bundle["text/html"] = f"<p><em>{html.escape(RUN_TO_EXPLORE)}</em></p>"
+        display(bundle, raw=True)
 
 
 def token_explorer(tok: K2Tokenizer, text: str = "") -> Explorer:

@@ -333,7 +333,7 @@ circuits.prune(graph)
 # [F, E], with the norm's denominator held fixed (k2lab's `features.router_read`).
 
 # %%
-from k2lab.lab.exercises.circuits import check_influence, check_router_read
+from k2lab.lab.exercises import check_influence, check_router_read
 
 
 def my_router_read(gate: torch.Tensor, norm_weight: torch.Tensor, decoder: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.browser
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the verdicts' colours, in the printed text
 RUN_TIMEOUT_S = float(os.environ.get("K2LAB_BROWSER_TIMEOUT", 900))  # all cells of one notebook, on a slow CPU
 STEP_TIMEOUT_MS = 180_000  # loading the lab's scripts, starting a kernel, one widget round trip
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
@@ -30,21 +31,41 @@ class Expect:
     widgets: int  # ipywidgets views, at least
     diagrams: int = 0  # Mermaid diagrams in Markdown cells drawn as SVG, at least
     texts: tuple[str, ...] = ()  # printed by some code cell (an exercise's verdict, say)
+    # A learner's answer typed into the exercise cell whose source starts with the key, before Run All runs it and
+    # steps on past its solution; and a cell added at the end, which prints what the notebook then holds.
+    answers: tuple[tuple[str, str], ...] = ()
+    probe: str = ""
+    reopen: bool = False  # saved after the run and opened again (for explorers: is their stored state found?)
 
+
+# 04b's first exercise answered by a learner who forgot the eps; Run All then runs the hidden solution after it.
+WRONG_RMS_NORM = ("def my_rms_norm(x, weight, eps):\n"
+                  "    return weight * x / x.pow(2).mean(-1, keepdim=True).sqrt()  # my answer, eps left out\n\n\n"
+                  "print(exercises.check_rms_norm(my_rms_norm))")
+KEPT_PROBE = ('print("learner\'s answer kept:", not exercises.check_rms_norm(my_rms_norm).ok, '
+              '"solution_my_rms_norm" in globals())')
 
 CASES = [
     # The tour: the logit-lens figure (the token boxes are plain HTML).
     pytest.param("00_tour.ipynb", Expect(plots=1, widgets=0, diagrams=1), id="00_tour"),
     # The tokenizer: its token explorer (a text box over coloured HTML tokens), typed into.
-    pytest.param("01_tokens.ipynb", Expect(plots=0, widgets=1), id="01_tokens"),
+    pytest.param("01_tokens.ipynb", Expect(plots=0, widgets=1, reopen=True), id="01_tokens"),
     # The router: one token's stages, the bias flips, and the router explorer (a layer dropdown, a token slider and
     # its own figure inside an Output widget): plotly in and out of widgets, and a widget round trip.
-    pytest.param("04a_router.ipynb", Expect(plots=3, widgets=1), id="04a_router"),
-    # The block by hand: two Mermaid diagrams; an exercise as a learner first sees it (the stub's verdict) and the
-    # collapsed solution cell's check passing.
+    pytest.param("04a_router.ipynb", Expect(plots=3, widgets=1, reopen=True), id="04a_router"),
+    # The block by hand: two Mermaid diagrams; exercises as a learner sees them (a stub's verdict, a wrong answer's
+    # reason), run past their folded solutions: the learner's answer is kept and the solution's output stays folded.
     pytest.param("04b_block.ipynb", Expect(plots=0, widgets=0, diagrams=2,
-                                           texts=("✗ not written yet", "✓ RMSNorm: matches k2lab")), id="04b_block"),
+                                           texts=("✗ not written yet", "✗ RMSNorm: you forgot the eps",
+                                                  "learner's answer kept: True True"),
+                                           answers=(("def my_rms_norm", WRONG_RMS_NORM),), probe=KEPT_PROBE),
+                 id="04b_block"),
 ]
+
+# Notebooks opened only (their explorers before any cell runs, and whether opening marks them changed).
+OPENED_ONLY = ["02_yarn.ipynb", "03_mla.ipynb"]
+RUN_TO_EXPLORE = "Explorer: run this cell to explore"  # k2lab.viz.widgets.RUN_TO_EXPLORE, the text before a run
+SOLUTION_SUMMARY = "Solution's output (click to show)"  # k2lab.lab.solutions: the fold of a solution's output
 
 # Text that means an output did not render: the widget manager waiting for a model that never came, a widget model
 # missing from the kernel, or a mime type that no installed extension renders (e.g. plotly's lab extension missing).
@@ -118,6 +139,36 @@ WIDGET_VIEWS = """const widgetViews = () => {
   return views;
 };"""
 CONTROLS = ".widget-dropdown, .widget-slider, .widget-textarea, .widget-checkbox"
+
+# Before any cell runs: the notebook as JupyterLab holds it and as the file says (to tell what opening changed),
+# whether it is marked changed, and what each explorer's output shows.
+OPEN_STATE = """async () => {""" + WIDGET_VIEWS + """
+  const panel = window.__k2panel;
+  const file = await window.jupyterapp.serviceManager.contents.get(panel.context.path, {content: true});
+  return {dirty: panel.context.model.dirty, model: panel.context.model.toJSON(), file: file.content,
+          explorers: widgetViews().map(v => v.innerText.slice(0, 200))};
+}"""
+
+# A learner's answer typed into a cell (found by the start of its source), and a cell added at the end.
+TYPE_ANSWERS = """([answers, probe]) => {
+  const panel = window.__k2panel, cells = panel.content.model.sharedModel;
+  const missing = [];
+  for (const [start, source] of answers) {
+    const cell = panel.content.widgets.find(c => c.model.type === 'code' &&
+                                              c.model.sharedModel.getSource().startsWith(start));
+    if (cell) cell.model.sharedModel.setSource(source); else missing.push(start);
+  }
+  if (probe) cells.insertCell(cells.cells.length, {cell_type: 'code', source: probe});
+  return missing;
+}"""
+
+# What each solution cell shows once it ran: its output must stay folded (nothing open, no verdict in sight).
+SOLUTIONS_SHOWN = """() => window.__k2panel.content.widgets
+  .filter(c => c.model.type === 'code' && (c.model.getMetadata('tags') || []).includes('solution'))
+  .map(c => ({index: window.__k2panel.content.widgets.indexOf(c),
+              first: c.model.sharedModel.getSource().split('\\n')[0],
+              visible: c.outputArea ? c.outputArea.node.innerText : '',
+              open: c.outputArea ? c.outputArea.node.querySelectorAll('details[open]').length : 0}))"""
 
 # Outputs are drawn a little after the kernel is done (plotly.js, the widget manager): wait for the expected counts.
 RENDERED = """([plots, widgets, broken]) => {""" + WIDGET_VIEWS + """
@@ -252,9 +303,45 @@ def _poke_widgets(page) -> list[dict]:
     return pokes
 
 
-def run_in_lab(chromium, lab, artifacts: Path, name: str, plots: int, widgets: int) -> dict:
-    """Open ``name`` in the lab, clear its outputs, Run All Cells, wait until the kernel is idle and the outputs are
-    drawn, screenshot it, change the explorers' dropdowns; return what the page showed (also saved as JSON)."""
+def open_in_lab(page, lab, name: str) -> None:
+    """Open ``name`` in the lab page and wait until its kernel is idle (``window.__k2panel`` is its panel)."""
+    page.goto(f"{lab.url}/lab/tree/{name}?reset")
+    page.wait_for_function(FIND_PANEL, arg=name, polling=500)
+    page.wait_for_function(KERNEL_IDLE, polling=500)
+    page.wait_for_timeout(2_000)  # the kernel's info (kernelspec, language) reaches the notebook's metadata
+
+
+def reopen(page, name: str) -> dict:
+    """Save the notebook, close it with its kernel, open it again and wait for its outputs: -> whether it opened
+    marked changed and which outputs show as broken (a widget whose model is not found, say)."""
+    page.evaluate("async () => { await window.__k2panel.context.save(); "
+                  "await window.__k2panel.sessionContext.shutdown(); window.__k2panel.dispose(); }")
+    page.evaluate("(name) => window.jupyterapp.commands.execute('docmanager:open', {path: name})", name)
+    page.wait_for_function(FIND_PANEL, arg=name, polling=500)
+    page.wait_for_function(KERNEL_IDLE, polling=500)
+    try:  # the widget manager restores the saved state once the kernel is there
+        page.wait_for_function("() => window.__k2panel.node.querySelectorAll('.jupyter-widgets').length > 0",
+                               timeout=30_000, polling=500)
+    except Exception:  # noqa: BLE001 - no widget on the page: reported by the checks
+        pass
+    page.wait_for_timeout(3_000)
+    text = page.evaluate("() => Array.from(window.__k2panel.node.querySelectorAll('.jp-OutputArea'))"
+                         ".map(o => o.innerText).join('\\n')")
+    changes, _ = opening_changes(page.evaluate(OPEN_STATE))
+    views = page.evaluate("() => {" + WIDGET_VIEWS + " return widgetViews().map(v => ({controls: "
+                          "v.querySelectorAll('" + CONTROLS + "').length, plots: v.querySelectorAll("
+                          "'.js-plotly-plot').length, text: v.innerText.slice(0, 100)})); }")
+    return {"changes": changes, "broken": [b for b in BROKEN_OUTPUT if b in text],
+            "dumps": [line[:100] for line in text.splitlines() if line.startswith(("VBox(", "HBox("))],
+            "views": views}
+
+
+def run_in_lab(chromium, lab, artifacts: Path, name: str, plots: int, widgets: int,
+               answers: tuple[tuple[str, str], ...] = (), probe: str = "", reopen_after: bool = True) -> dict:
+    """Open ``name`` in the lab, note what it shows before any cell runs, type the learner's ``answers`` and add the
+    ``probe`` cell, clear its outputs, Run All Cells, wait until the kernel is idle and the outputs are drawn,
+    screenshot it, change the explorers' dropdowns, then (``reopen_after``) save it and open it again; return what
+    the page showed (also saved as JSON)."""
     stem = Path(name).stem
     context = chromium.new_context(viewport={"width": 1400, "height": 900})
     page = context.new_page()
@@ -266,10 +353,11 @@ def run_in_lab(chromium, lab, artifacts: Path, name: str, plots: int, widgets: i
     started = time.monotonic()
     report: dict = {"notebook": name, "expected": {"plots": plots, "widgets": widgets}}
     try:
-        page.goto(f"{lab.url}/lab/tree/{name}?reset")
-        page.wait_for_function(FIND_PANEL, arg=name, polling=500)
-        page.wait_for_function(KERNEL_IDLE, polling=500)
+        open_in_lab(page, lab, name)
         report["opened_s"] = round(time.monotonic() - started, 1)
+        report["at_open"] = page.evaluate(OPEN_STATE)
+        report["at_open_changes"], report["plotly_snapshots"] = opening_changes(report["at_open"])
+        report["answers_not_found"] = page.evaluate(TYPE_ANSWERS, [list(map(list, answers)), probe])
         page.evaluate(RUN_ALL)
         page.wait_for_function(RUN_DONE, timeout=RUN_TIMEOUT_S * 1000, polling=1000)
         report["ran_s"] = round(time.monotonic() - started, 1)
@@ -279,9 +367,14 @@ def run_in_lab(chromium, lab, artifacts: Path, name: str, plots: int, widgets: i
             pass
         report.update(page.evaluate(REPORT, BROKEN_OUTPUT))
         _screenshot(page, artifacts / f"{stem}.png")
+        report["solutions"] = page.evaluate(SOLUTIONS_SHOWN)
         report["widget_pokes"] = _poke_widgets(page)
         if report["widget_pokes"]:
             _screenshot(page, artifacts / f"{stem}-after-widget-change.png")
+        if reopen_after:
+            report["console_before_reopening"] = len(console)
+            report["reopened"] = reopen(page, name)
+            _screenshot(page, artifacts / f"{stem}-reopened.png")
     except Exception:
         try:
             page.screenshot(path=str(artifacts / f"{stem}-failure.png"))
@@ -291,7 +384,8 @@ def run_in_lab(chromium, lab, artifacts: Path, name: str, plots: int, widgets: i
     finally:
         report["seconds"] = round(time.monotonic() - started, 1)
         report["console"] = console
-        (artifacts / f"{stem}.json").write_text(json.dumps(report, indent=1))
+        saved = {k: v for k, v in report.items() if k != "at_open"}  # the notebook itself stays out of the JSON
+        (artifacts / f"{stem}.json").write_text(json.dumps(saved, indent=1))
         try:  # free the kernel's memory and CPU for the next notebook
             page.evaluate("() => window.__k2panel && window.__k2panel.sessionContext.shutdown()")
         except Exception:  # noqa: BLE001
@@ -327,7 +421,83 @@ def problems(report: dict) -> list[str]:
             found.append(f"explorer {poke['view']} did not redraw after choosing {poke['chose']!r}")
         elif poke["plots_after"] < poke["plots_before"]:
             found.append(f"explorer {poke['view']} lost its figure after choosing {poke['chose']!r}")
-    found += [f"browser console: {m}" for m in report["console"] if not _is_harmless(m)]
+    first_after = report.get("console_before_reopening", len(report["console"]))
+    found += [f"{'saved and opened again, ' if i >= first_after else ''}browser console: {m}"
+              for i, m in enumerate(report["console"]) if not _is_harmless(m)]
+    found += opening_problems(report["at_open"])
+    found += [f"the learner's answer could not be typed: no cell starts with {start!r}"
+              for start in report["answers_not_found"]]
+    for cell in report["solutions"]:
+        if not cell["first"].startswith("# Solution"):
+            found.append(f"solution cell {cell['index']} starts with {cell['first']!r}, not a '# Solution' mark")
+        shown = [line for line in cell["visible"].splitlines() if line.strip() and not line.startswith(
+            (SOLUTION_SUMMARY, "Your ", "your "))]
+        if cell["open"] or shown:
+            found.append(f"solution cell {cell['index']} shows its output after running: {shown[:2]}")
+    reopened = report.get("reopened", {"changes": [], "broken": [], "dumps": []})
+    found += [f"saved and opened again, opening changed it: {change}" for change in reopened["changes"]]
+    found += [f"saved and opened again, an output shows {b!r}" for b in reopened["broken"]]
+    found += [f"saved and opened again, an output shows a widget's repr: {d!r}" for d in reopened["dumps"]]
+    found += [f"saved and opened again, explorer {i} shows no controls from its stored state: {v['text']!r}"
+              for i, v in enumerate(reopened.get("views", [])) if not v["controls"]]
+    return found
+
+
+PLOTLY = "application/vnd.plotly.v1+json"
+
+
+def _as_saved(nb: dict) -> dict:
+    """A notebook as its file would hold it, whichever of JupyterLab's in-memory forms it is in: sources and texts
+    as one string, no empty attachments, no "trusted" flag (JupyterLab's own, never written), and without the PNG
+    that plotly's lab extension adds to each figure it draws (``opening_changes`` names those apart)."""
+    joined = lambda v: "".join(v) if isinstance(v, list) else v  # noqa: E731
+    cells = []
+    for cell in nb.get("cells", []):
+        cell = {k: v for k, v in cell.items() if not (k == "attachments" and not v)}
+        cell["source"] = joined(cell.get("source", ""))
+        cell["metadata"] = {k: v for k, v in cell.get("metadata", {}).items() if k != "trusted"}
+        outputs = []
+        for out in cell.get("outputs", []):
+            out = dict(out)
+            if "text" in out:
+                out["text"] = joined(out["text"])
+            if "data" in out:
+                out["data"] = {m: joined(v) for m, v in out["data"].items()
+                               if not (m == "image/png" and PLOTLY in out["data"])}
+            outputs.append(out)
+        if "outputs" in cell:
+            cell["outputs"] = outputs
+        cells.append(cell)
+    return {"metadata": nb.get("metadata", {}), "cells": cells}
+
+
+def opening_changes(at_open: dict) -> tuple[list[str], int]:
+    """What opening the notebook changed in it, other than plotly's PNG snapshots (-> the changes, in words; the
+    number of snapshots added)."""
+    model, file = at_open["model"], at_open["file"]
+    changes = [f"metadata {key!r}: {file['metadata'].get(key)!r} -> {value!r}"[:160]
+               for key, value in model.get("metadata", {}).items() if file["metadata"].get(key) != value]
+    saved_model, saved_file = _as_saved(model), _as_saved(file)
+    for i, (now, then) in enumerate(zip(saved_model["cells"], saved_file["cells"], strict=False)):
+        for key in set(now) | set(then):
+            if now.get(key) != then.get(key):
+                changes.append(f"cell {i} {key}: {str(then.get(key))[:60]!r} -> {str(now.get(key))[:60]!r}")
+    snapshots = sum("image/png" in out.get("data", {}) and "image/png" not in old.get("data", {})
+                    for now, then in zip(model["cells"], file["cells"], strict=False)
+                    for out, old in zip(now.get("outputs", []), then.get("outputs", []), strict=False)
+                    if PLOTLY in out.get("data", {}))
+    return changes, snapshots
+
+
+def opening_problems(at_open: dict) -> list[str]:
+    """What a learner sees wrong on opening a notebook: something in it changed at once (so that closing it asks to
+    save), or an explorer's output that is not the sentence asking to run it. Plotly's lab extension writes a PNG of
+    each figure it draws into the notebook (jupyterlab-plotly's renderer, unless the output carries one already):
+    that change is the extension's, reported in the JSON as ``plotly_snapshots`` and not counted here."""
+    changes, _ = opening_changes(at_open)
+    found = [f"opening the notebook changed it: {change}" for change in changes]
+    found += [f"before any cell runs, an explorer shows {text[:80]!r}, not the sentence asking to run it"
+              for text in at_open["explorers"] if RUN_TO_EXPLORE not in text]
     return found
 
 
@@ -335,34 +505,60 @@ def problems(report: dict) -> list[str]:
 def test_notebook_runs_in_jupyterlab(lab, chromium, artifacts: Path, name: str, expect: Expect):
     stored_plots, stored_widgets = _stored_counts(NOTEBOOKS / name)
     report = run_in_lab(chromium, lab, artifacts, name, plots=max(expect.plots, stored_plots),
-                        widgets=max(expect.widgets, stored_widgets))
+                        widgets=max(expect.widgets, stored_widgets), answers=expect.answers, probe=expect.probe,
+                        reopen_after=expect.reopen)
     stem = Path(name).stem
     found = problems(report)
     diagrams = sum(c.get("diagrams", 0) for c in report["cells"])
     if diagrams < expect.diagrams:
         found.append(f"{diagrams} Mermaid diagrams drawn, expected at least {expect.diagrams}")
-    printed = "\n".join(c.get("stdout", "") for c in report["cells"])
+    printed = ANSI.sub("", "\n".join(c.get("stdout", "") for c in report["cells"]))
     found += [f"no cell printed {text!r}" for text in expect.texts if text not in printed]
     assert not found, f"{name} in JupyterLab ({artifacts / stem}.json, .png):\n  " + "\n  ".join(found)
 
 
+@pytest.mark.parametrize("name", OPENED_ONLY)
+def test_notebook_opens_unchanged_with_its_explorers_described(lab, chromium, artifacts: Path, name: str):
+    """The notebooks not run above, as first opened: not marked changed once the kernel is up, and each explorer's
+    output a sentence asking to run it (not a widget's repr, not an error)."""
+    context = chromium.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(STEP_TIMEOUT_MS)
+    try:
+        open_in_lab(page, lab, name)
+        at_open = page.evaluate(OPEN_STATE)
+        page.evaluate("() => window.__k2panel.sessionContext.shutdown()")
+    finally:
+        context.close()
+    assert at_open["explorers"], f"{name}: no explorer found among its stored outputs"
+    found = opening_problems(at_open)
+    assert not found, f"{name} in JupyterLab:\n  " + "\n  ".join(found)
+
+
 def test_a_broken_notebook_is_caught(lab, chromium, artifacts: Path):
-    """The control: a notebook with a working widget, a console error, an exception and a cell after it. The checks
-    above must see the console error, the exception and the unrun cell, and still see the widget, so that their
-    passing means something."""
+    """The control: a notebook with a working widget, a solution cell whose output shows, a console error, an
+    exception and a cell after it, and no language_info (JupyterLab writes it when the kernel starts, so the notebook
+    opens changed). The checks above must see each of these, and still see the widget, so that their passing means
+    something."""
     sources = ["import ipywidgets\nipywidgets.Dropdown(options=[1, 2], description='x')",
+               "print('the answer is 42')",  # tagged solution below, without the mark: its output shows
                "from IPython.display import Javascript\nJavascript(\"console.error('k2lab control')\")",
                "1 / 0", "print('never runs')"]
-    cells = [{"cell_type": "code", "execution_count": None, "id": f"control-{i}", "metadata": {}, "outputs": [],
-              "source": source} for i, source in enumerate(sources)]
-    notebook = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+    cells = [{"cell_type": "code", "execution_count": None, "id": f"control-{i}",
+              "metadata": {"tags": ["solution"]} if i == 1 else {}, "outputs": [], "source": source}
+             for i, source in enumerate(sources)]
+    notebook = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)",
                                                             "language": "python"}},
                 "nbformat": 4, "nbformat_minor": 5}
     (lab.root / "zz_control.ipynb").write_text(json.dumps(notebook))
     report = run_in_lab(chromium, lab, artifacts, "zz_control.ipynb", plots=0, widgets=1)
     found = problems(report)
     assert any("ZeroDivisionError" in p for p in found), found
-    assert any("cells left unrun: [3]" in p for p in found), found
+    assert any("cells left unrun: [4]" in p for p in found), found
+    assert any("solution cell 1 shows its output after running" in p for p in found), found
+    assert any("opening the notebook changed it: metadata 'language_info'" in p for p in found), found
     assert any("browser console: error: k2lab control" in p for p in found), found
-    assert not [p for p in found if "widget" in p or "explorer" in p], found
+    # a plain widget (not an explorer) saved after a run has no stored state: opened again, its model is not found
+    assert any("saved and opened again, an output shows" in p for p in found), found
+    assert not [p for p in found if ("widget" in p or "explorer" in p) and "opened again" not in p], found
 

@@ -268,15 +268,21 @@ def test_notebook_page_draws_every_stored_figure(visit: Visit, shots: Path, name
 
 
 def test_solution_fold_opens_and_draws(visit: Visit):
-    """A solution opened shows its code and output; a figure first drawn inside a fold gets its width then."""
+    """A solution opened shows its code, which starts with its mark, and the fold of its output (as the notebook
+    stored it, k2lab.lab.solutions), which opens in turn; a figure first drawn inside a fold gets its width then."""
     visit.open("course/04a_router/")
     page = visit.page
     fold = page.locator("details.k2-solution:has(.k2-cell)").first
     assert not fold.evaluate("d => d.open")
     assert not fold.locator(".k2-cell").is_visible()
     fold.locator("summary").first.click()
-    assert fold.locator(".k2-cell pre.k2-out").first.is_visible()
-    assert "✓" in fold.locator(".k2-cell").first.inner_text()
+    cell = fold.locator(".k2-cell").first
+    assert cell.is_visible() and "# Solution (click to show)" in cell.inner_text()
+    output = cell.locator("details.k2lab-solution-output").first
+    assert output.is_visible() and not output.evaluate("d => d.open")
+    assert "✓" not in cell.inner_text()  # the verdict waits in the output's own fold
+    output.locator("summary").click()
+    assert "✓" in cell.inner_text()
     assert not visit.problems, visit.problems
 
 

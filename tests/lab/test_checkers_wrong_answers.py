@@ -14,8 +14,19 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
-from learner import byte_sequences, count_pairs, fails_with, learn_merges, pairs_in, passes
+from learner import (
+    byte_sequences,
+    count_pairs,
+    fails_with,
+    k2,
+    learn_merges,
+    mla,
+    mla_absorbed,
+    mla_inputs,
+    pairs_in,
+    passes,
+    route,
+)
 
 from k2lab.lab import exercises as ex
 
@@ -181,56 +192,6 @@ def test_the_swapped_betas_only_show_on_deepseek_v3():
 # --- 03: MLA ------------------------------------------------------------------------------------------------------
 
 
-def rms_norm(x, weight, eps):
-    return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def rotate_half(x, cos, sin, deinterleave=True):
-    if deinterleave:  # the checkpoint's pairs (x0, x1), (x2, x3), ... -> evens first, then odds
-        x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-    a, b = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-b, a], dim=-1) * sin
-
-
-def mla_inputs(w, cfg, x, cos, sin, kv_norm=True, deinterleave=True):
-    """The queries' parts, the normalised latent c_KV and the rotated shared key, as the learner computes them."""
-    H, N, R, C = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    B, T, _ = x.shape
-    c_q = rms_norm(x @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"], cfg.rms_norm_eps)
-    q = (c_q @ w["q_b_proj.weight"].T).view(B, T, H, N + R)
-    q_nope, q_pe = q[..., :N], rotate_half(q[..., N:], cos[:, None], sin[:, None], deinterleave)
-    kv_a = x @ w["kv_a_proj_with_mqa.weight"].T
-    c_kv = rms_norm(kv_a[..., :C], w["kv_a_layernorm.weight"], cfg.rms_norm_eps) if kv_norm else kv_a[..., :C]
-    return q_nope, q_pe, c_kv, rotate_half(kv_a[..., C:], cos, sin, deinterleave)
-
-
-def causal(scores):
-    T = scores.shape[-1]
-    return scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-
-
-def mla(w, cfg, x, cos, sin, kv_norm=True, deinterleave=True, mask=causal):
-    H, N, V = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    B, T, _ = x.shape
-    q_nope, q_pe, c_kv, k_pe = mla_inputs(w, cfg, x, cos, sin, kv_norm, deinterleave)
-    kv = (c_kv @ w["kv_b_proj.weight"].T).view(B, T, H, N + V)
-    k_nope, v = kv[..., :N], kv[..., N:]
-    scores = torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
-    pattern = mask(scores * cfg.softmax_scale).softmax(-1)
-    return torch.einsum("bhts,bshv->bthv", pattern, v).flatten(2) @ w["o_proj.weight"].T
-
-
-def mla_absorbed(w, cfg, x, cos, sin, scale=None):
-    H, N, V, C = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    q_nope, q_pe, c_kv, k_pe = mla_inputs(w, cfg, x, cos, sin)
-    w_uk, w_uv = w["kv_b_proj.weight"].view(H, N + V, C).split([N, V], dim=1)
-    query = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w_uk), q_pe], dim=-1)  # [W_UK^T q_nope ; q_pe]
-    keys = torch.cat([c_kv, k_pe], dim=-1)  # [c_KV ; k_pe]: one key per position, shared by every head
-    scores = torch.einsum("bthc,bsc->bhts", query, keys) * (cfg.softmax_scale if scale is None else scale)
-    latent_out = torch.einsum("bhts,bsc->bthc", causal(scores).softmax(-1), c_kv)
-    return torch.einsum("bthc,hvc->bthv", latent_out, w_uv).flatten(2) @ w["o_proj.weight"].T
-
-
 def test_mla_forward_naive():
     passes(ex.check_mla_forward(mla))
     passes(ex.check_mla_forward(mla_absorbed))  # the absorbed form is a right naive answer too
@@ -298,17 +259,6 @@ def test_the_absorbed_score_may_not_build_k_nope():
 # --- 04 and 09: the whole model from its weights ------------------------------------------------------------------
 
 
-def swiglu(x, gate, up, down):
-    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
-
-
-def route(x, weight, bias, cfg):
-    s = (x @ weight.T).sigmoid()
-    idx = (s + bias).topk(cfg.num_experts_per_tok, dim=-1).indices
-    w = s.gather(-1, idx)
-    return idx, w / w.sum(-1, keepdim=True) * cfg.routed_scaling_factor
-
-
 def route_bias_in_weights(x, weight, bias, cfg):
     choice = (x @ weight.T).sigmoid() + bias
     idx = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
@@ -319,39 +269,6 @@ def route_bias_in_weights(x, weight, bias, cfg):
 def route_unscaled(x, weight, bias, cfg):
     idx, w = route(x, weight, bias, cfg)
     return idx, w / cfg.routed_scaling_factor
-
-
-def moe(x, sd, p, cfg, router=route):
-    idx, weights = router(x, sd[p + "gate.weight"], sd[p + "gate.e_score_correction_bias"], cfg)
-    out = swiglu(x, sd[p + "shared_experts.gate_proj.weight"], sd[p + "shared_experts.up_proj.weight"],
-                 sd[p + "shared_experts.down_proj.weight"])
-    gate, up, down = (sd[p + f"experts.{name}"] for name in ("gate_proj", "up_proj", "down_proj"))
-    for slot in range(idx.shape[-1]):
-        for n, e in enumerate(idx[..., slot].flatten().tolist()):
-            b, t = divmod(n, x.shape[1])
-            out[b, t] += weights[b, t, slot] * swiglu(x[b, t], gate[e], up[e], down[e])
-    return out
-
-
-def k2(sd, cfg, ids, router=route, final_norm=True, tied=False):
-    x = sd["embed_tokens.weight"][ids]
-    T = ids.shape[1]
-    angles = torch.arange(T).float()[:, None] * yarn(cfg)[0]  # the learner's own YaRN, from exercise 2
-    angles = torch.cat([angles, angles], dim=-1)  # YaRN's factor on cos and sin is 1 for K2's mscale settings
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        attn_w = {name[len(p + "self_attn."):]: t for name, t in sd.items() if name.startswith(p + "self_attn.")}
-        h = rms_norm(x, sd[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-        x = x + mla(attn_w, cfg, h, angles.cos(), angles.sin())
-        h = rms_norm(x, sd[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        if i < cfg.first_k_dense_replace:
-            x = x + swiglu(h, sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"],
-                           sd[p + "mlp.down_proj.weight"])
-        else:
-            x = x + moe(h, sd, p + "mlp.", cfg, router)
-    if final_norm:
-        x = rms_norm(x, sd["norm.weight"], cfg.rms_norm_eps)
-    return x @ (sd["embed_tokens.weight"] if tied else sd["lm_head.weight"]).T
 
 
 def test_model_from_weights():

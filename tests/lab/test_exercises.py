@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from learner import fails_with
 
 from k2lab import K2Config
 from k2lab.lab import exercises as ex
@@ -18,9 +19,7 @@ def verdict_of(check, fn, *args):
 
 
 def assert_fails_with(check, fn, text, *args):
-    verdict = verdict_of(check, fn, *args)
-    assert not verdict.ok and text in verdict.message, verdict.message
-    assert repr(verdict).startswith("✗")
+    fails_with(verdict_of(check, fn, *args), text)
 
 
 def test_unwritten_stub_and_crash_and_none_are_reported():

@@ -12,7 +12,10 @@ whose rms makes eps matter, loads whose mean and median differ), and where an ex
     exercises.check_rms_norm(my_rms_norm)      # ✓ or ✗ with the reason
 
 A stub that still raises ``NotImplementedError`` gets "not written yet", so a notebook with unsolved exercises
-still runs from top to bottom; library warnings raised inside a check stay out of the cell.
+still runs from top to bottom; library warnings raised inside a check stay out of the cell. The learner's function
+runs under guard (``checking.call``): it is stopped after a minute (``time_limit(seconds)`` gives more), torch's
+global settings it changes are put back and said, an argument it changes in place fails the check, and calling
+k2lab's own implementation of the piece is named. A verdict prints its ✓ in green and its ✗ in red.
 
 The construction track, each piece checked against k2lab and then used by the next, and the other exercises:
 
@@ -45,6 +48,8 @@ The construction track, each piece checked against k2lab and then used by the ne
     check_newton_schulz         10   Muon's orthogonalisation
     check_qk_clip               10   QK-Clip for one MLA head
     check_bias_update           10   aux-loss-free balancing
+    check_router_read           12   a feature's direct read by the router, W_gate (g * W_dec)
+    check_influence             12   a node's influence on the target through the graph
     check_feature_purity        11   a feature's purity against the routing
     check_mutual_information    11   I(A; C) of two yes/no variables, in bits
 """
@@ -59,7 +64,8 @@ from .analysis import (
 )
 from .attention import check_absorbed_score, check_mla_forward
 from .blocks import check_block, check_moe_combine, check_rms_norm, check_router, check_swiglu
-from .checking import Verdict, Watch
+from .checking import Verdict, Watch, time_limit
+from .circuits import check_influence, check_router_read
 from .decode import check_cached_generate, check_cached_mla
 from .features import check_feature_purity, check_mutual_information
 from .groups import check_group_router
@@ -76,9 +82,10 @@ __all__ = [
     "check_logit_lens", "check_max_violation", "check_mla_forward", "check_model_from_weights", "check_moe_combine",
     "check_moe_block_parameters", "check_mutual_information", "check_newton_schulz", "check_patch_hook",
     "check_qk_clip", "check_rms_norm", "check_rotation", "check_router", "check_swiglu", "check_yarn_frequencies",
-    "small_k2", "train_bpe",
+    "small_k2", "time_limit", "train_bpe",
 ]
 __all__ += [
     "check_adamw_step", "check_cached_generate", "check_cached_mla", "check_dequantize", "check_group_router",
     "check_muon_step", "check_next_token_loss", "check_release_state_dict", "check_train_step", "compare_runs",
+    "check_influence", "check_router_read",
 ]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ...config import K2Config
 from ...model.layers import RMSNorm, SwiGLU
 from ...model.moe import Router
-from .checking import Verdict, call, checker, compare, generator
+from .checking import Verdict, as_tensor, call, checker, compare, generator, named, same, scales_with
 
 # --- 04: the router's five stages ---------------------------------------------------------------------------------
 
@@ -22,33 +22,50 @@ def _by_expert(idx: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, 
     return idx.gather(-1, order), weights.gather(-1, order)
 
 
-@checker
-def check_router(fn: Callable) -> Verdict:
-    """``fn(x [N, D], weight [E, D], bias [E], top_k, scaling) -> (idx [N, k], weights [N, k])``: K2's router
-    (sigmoid, bias only in the choice, renormalised, scaled), checked against ``k2lab.model.moe.Router``."""
-    cfg = K2Config.nano()
-    g = generator(4)
+def _router_case(cfg: K2Config, seed: int, tokens: int = 16) -> tuple[Router, torch.Tensor]:
+    """A router for ``cfg`` with random weights and a correction bias large enough to change choices, and its
+    input x [tokens, D]."""
+    g = generator(seed)
     router = Router(cfg)
     with torch.no_grad():
         router.weight.copy_(torch.randn(cfg.n_routed_experts, cfg.hidden_size, generator=g) * 0.15)
         router.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts, generator=g) * 0.3)
-    x = torch.randn(16, cfg.hidden_size, generator=g)
+    return router, torch.randn(tokens, cfg.hidden_size, generator=g)
+
+
+# K2-nano's router (32 experts, top 4, scaling 2.827), then one with other numbers and a routed scaling of 1.0
+# (DeepSeek-V2-Lite's, say), where numbers written into the answer instead of read from the arguments show.
+ROUTER_CONFIGS = [("K2-nano", K2Config.nano()),
+                  ("a second router (12 experts, top 3, scaling 1.0)",
+                   K2Config.nano().replace(n_routed_experts=12, num_experts_per_tok=3, routed_scaling_factor=1.0))]
+
+
+def _check_one_router(fn: Callable, name: str, cfg: K2Config, seed: int) -> Verdict | None:
+    """None when ``fn`` routes like k2lab's Router on this case, else the verdict."""
+    router, x = _router_case(cfg, seed)
     with torch.no_grad():
         idx, weights = router(x[None])
-    idx, weights = _by_expert(idx[0], weights[0])
+    idx_ranked, weights_ranked = idx[0], weights[0]  # k2lab's slot order: by choice score, highest first
+    idx, weights = _by_expert(idx_ranked, weights_ranked)
     bias, k, scaling = router.e_score_correction_bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor
-    out, error = call(fn, x.clone(), router.weight.detach().clone(), bias.clone(), k, scaling)
+    out, error = call(fn, x.clone(), router.weight.detach().clone(), bias.clone(), k, scaling,
+                      own={Router: "Router"})
+    where = "router" if name == ROUTER_CONFIGS[0][0] else f"router, {name}"
     if error is not None:
         return error
     if not isinstance(out, (tuple, list)) or len(out) != 2:
-        return Verdict(False, "return two tensors: (idx [N, k], weights [N, k])")
+        return named("return two tensors: (idx [N, k], weights [N, k])", where)
     out_idx, out_w = (torch.as_tensor(t).detach().cpu() if t is not None else None for t in out)  # beside idx
     if out_idx is None or out_w is None:
-        return Verdict(False, "one of your two outputs is None")
+        return named("one of your two outputs is None", where)
+    if out_idx.shape[-1:] == out_w.shape[-1:] != idx.shape[-1:] and out_idx.shape[:-1] == idx.shape[:-1]:
+        return named(f"you chose {out_idx.shape[-1]} experts per token; use the top_k argument ({k} here) instead of "
+                     f"a number written in", where)
     if out_idx.shape != idx.shape or out_w.shape != weights.shape:
-        return Verdict(False, f"wrong shapes: got idx {list(out_idx.shape)} and weights {list(out_w.shape)}, "
-                              f"expected [N, k] = {list(idx.shape)} for both")
-    out_idx, out_w = _by_expert(out_idx.long(), out_w.float())
+        return named(f"wrong shapes: got idx {list(out_idx.shape)} and weights {list(out_w.shape)}, expected [N, k] "
+                     f"= {list(idx.shape)} for both", where)
+    given_idx = out_idx.long()
+    out_idx, out_w = _by_expert(given_idx, out_w.float())
     logits = x @ router.weight.detach().T  # [N, E]
     s = logits.sigmoid()
     top = lambda scores: scores.topk(k, dim=-1).indices.sort(-1).values  # noqa: E731
@@ -57,24 +74,74 @@ def check_router(fn: Callable) -> Verdict:
                    ("you chose by softmax(logits) + bias; K2's affinities are sigmoid(logits)",
                     top(logits.softmax(-1) + bias)),
                    ("you added the bias to the logits; it is added to the sigmoid scores s", top(logits + bias)),
-                   ("you took the k LOWEST choice scores", (s + bias).topk(k, largest=False).indices.sort(-1).values)]
+                   ("you chose by the logits alone; the choice is top-k of sigmoid(logits) + bias", top(logits)),
+                   ("you took the k LOWEST choice scores", (s + bias).topk(k, largest=False).indices.sort(-1).values),
+                   ("you subtracted the bias; the choice score is s + bias", top(s - bias))]
         for message, candidate in choices:
             if torch.equal(out_idx, candidate):
-                return Verdict(False, f"chosen experts: {message}")
+                return named(f"chosen experts: {message}", where)
         rows = int((out_idx != idx).any(-1).sum())
-        return Verdict(False, f"chosen experts differ from k2lab's in {rows} of {len(idx)} tokens")
+        differ = f"your chosen experts differ from k2lab's in {rows} of {len(idx)} tokens"
+        unbiased, error = call(fn, x.clone(), router.weight.detach().clone(), torch.zeros_like(bias), k, scaling,
+                               keep=False)
+        if error is None and isinstance(unbiased, (tuple, list)) and len(unbiased) == 2:
+            chosen = torch.as_tensor(unbiased[0]).detach().cpu().long().sort(-1).values
+            if chosen.shape == idx.shape and torch.equal(chosen, top(s)):
+                return named(f"{differ}; with a zero bias they are right, so the bias is used wrongly: the choice "
+                             f"is top-k of s + bias (the bias added to the sigmoid scores)", where)
+            return named(f"{differ}, even with a zero bias: the scores you rank are not the sigmoid scores "
+                         f"s = sigmoid(x W^T) (plus the bias)", where)
+        return Verdict(False, f"{where}: {differ}")
     picked = lambda scores: scores.gather(-1, idx)  # noqa: E731
     renorm = lambda w: w / w.sum(-1, keepdim=True)  # noqa: E731
-    mistakes = [
-        ("the bias is in your weights: gather them from s, not from s + bias", renorm(picked(s + bias)) * scaling),
-        ("you forgot to renormalise over the chosen experts (divide by their sum)", picked(s) * scaling),
-        ("you forgot the routed_scaling_factor (the weights should sum to it)", renorm(picked(s))),
-        ("your weights come from softmax(logits); K2's from sigmoid(logits)",
-         renorm(picked(logits.softmax(-1))) * scaling),
-        ("your weights are the raw logits", picked(logits)),
-    ]
-    verdict = compare("weights", out_w, weights, mistakes)
-    return Verdict(True, "router: same experts and weights as k2lab's Router") if verdict.ok else verdict
+
+    def mistakes() -> list[tuple[str, torch.Tensor]]:
+        found = [
+            ("the bias is in your weights: gather them from s, not from s + bias", renorm(picked(s + bias)) * scaling),
+            ("you forgot to renormalise over the chosen experts (divide by their sum)", picked(s) * scaling),
+            ("you forgot the routed_scaling_factor (the weights should sum to it)", renorm(picked(s))),
+            ("you renormalised over ALL experts (s / s.sum() over E); renormalise over the k chosen ones, so that "
+             "their weights sum to 1 before scaling", picked(s / s.sum(-1, keepdim=True)) * scaling),
+            ("your weights come from softmax(logits); K2's from sigmoid(logits)",
+             renorm(picked(logits.softmax(-1))) * scaling),
+            ("your weights are the raw logits", picked(logits)),
+            ("you reordered the indices (sorted them, say) but not the weights with them: each weight must stay "
+             "beside its expert (reorder both with the same permutation, or neither)",
+             weights_ranked.float().gather(-1, given_idx.argsort(-1))),
+            ("you sorted the weights but not the indices with them: each weight must stay beside its expert",
+             weights_ranked.float().sort(-1, descending=True).values.gather(-1, given_idx.argsort(-1))),
+        ]
+        if scaling != K2Config.nano().routed_scaling_factor:
+            found.append((f"your weights sum to K2's 2.827 where this router's scaling is {scaling:g}: use the "
+                          f"`scaling` argument instead of a number written in", renorm(picked(s)) * 2.827))
+        return found
+
+    verdict = compare(f"{where}, weights", out_w, weights, mistakes)
+    if verdict.ok:
+        return None
+    if verdict.mistake is None:
+        sums = out_w.double().sum(-1)
+        if not torch.allclose(sums, torch.full_like(sums, scaling), atol=1e-4, rtol=1e-4):
+            low, high = sums.aminmax()
+            return named(f"your weights sum to {low.item():.4g} .. {high.item():.4g} per token; they sum to the "
+                         f"routed scaling ({scaling:g}): renormalise over the chosen experts, then scale", where)
+        return named("your weights sum to the routed scaling, but are not proportional to the chosen experts' "
+                     "sigmoid scores s (the bias, a softmax or another score in them?)", where)
+    return verdict
+
+
+@checker
+def check_router(fn: Callable) -> Verdict:
+    """``fn(x [N, D], weight [E, D], bias [E], top_k, scaling) -> (idx [N, k], weights [N, k])``: K2's router
+    (sigmoid, bias only in the choice, renormalised over the chosen experts, scaled), checked against k2lab's
+    ``Router`` on K2-nano's router and on a second one (12 experts, top 3, a routed scaling of 1.0). The slots may
+    come in any order, as long as each weight stays beside its expert."""
+    for seed, (name, cfg) in enumerate(ROUTER_CONFIGS, start=4):
+        verdict = _check_one_router(fn, name, cfg, seed)
+        if verdict is not None:
+            return verdict
+    return Verdict(True, "router: same experts and weights as k2lab's Router, on K2-nano's router and on one with "
+                         "scaling 1.0")
 
 
 # --- 04b: the block -----------------------------------------------------------------------------------------------
@@ -92,7 +159,7 @@ def check_rms_norm(fn: Callable) -> Verdict:
         norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
         expected = norm(x)
     w = norm.weight.detach()
-    out, error = call(fn, x.clone(), w.clone(), eps)
+    out, error = call(fn, x.clone(), w.clone(), eps, own={RMSNorm: "RMSNorm"})
     if error is not None:
         return error
     ms = x.pow(2).mean(-1, keepdim=True)
@@ -109,7 +176,13 @@ def check_rms_norm(fn: Callable) -> Verdict:
         ("you averaged over the wrong dimension: normalise over the last one, the features",
          x / (x.pow(2).mean(0, keepdim=True) + eps).sqrt() * w),
     ]
-    return compare("RMSNorm", out, expected, mistakes)
+    verdict = compare("RMSNorm", out, expected, mistakes, terms={"x, your input": x}, axes={1: "position"})
+    if verdict.ok or verdict.mistake is not None:
+        return verdict
+    if scales_with(fn, (x, w, eps), 1, out) is False:
+        return named("the weight multiplies the normalised x, so doubling `weight` must double your output, and "
+                     "yours does not: x / rms(x) * weight", "RMSNorm")
+    return verdict
 
 
 @checker
@@ -126,11 +199,15 @@ def check_swiglu(fn: Callable) -> Verdict:
     with torch.no_grad():
         expected = mlp(x)
     gate, up, down = (p.detach() for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
-    out, error = call(fn, x.clone(), gate.clone(), up.clone(), down.clone())
+    out, error = call(fn, x.clone(), gate.clone(), up.clone(), down.clone(), own={SwiGLU: "SwiGLU"})
     if error is not None:
         return error
     a, b = x @ gate.T, x @ up.T  # [N, I]
     mistakes = [
+        ("you applied SiLU after the product, silu(gate x * up x); it goes on the gate alone: "
+         "down(silu(gate x) * up x)", F.silu(a * b) @ down.T),
+        ("you forgot the down projection: the product silu(gate x) * up x is I wide; down_proj brings it back to D",
+         F.silu(a) * b),
         ("you applied SiLU to the up projection; it goes on the gate: down(silu(gate x) * up x)",
          (a * F.silu(b)) @ down.T),
         ("ReLU instead of SiLU (silu(z) = z * sigmoid(z))", (F.relu(a) * b) @ down.T),
@@ -138,7 +215,20 @@ def check_swiglu(fn: Callable) -> Verdict:
         ("GELU instead of SiLU (silu(z) = z * sigmoid(z))", (F.gelu(a) * b) @ down.T),
         ("you left out the up projection: the gate multiplies up(x)", F.silu(a) @ down.T),
     ]
-    return compare("SwiGLU", out, expected, mistakes)
+    verdict = compare("SwiGLU", out, expected, mistakes)
+    if verdict.ok or verdict.mistake is not None:
+        return verdict
+    for index, name, role in ((3, "down", "the down projection comes last, with nothing after it"),
+                              (2, "up", "up x multiplies silu(gate x): it is neither added nor put through a "
+                                        "nonlinearity")):
+        linear = scales_with(fn, (x, gate, up, down), index, out)
+        if linear is False:
+            return named(f"SwiGLU is linear in its {name} projection, so doubling `{name}` must double your output, "
+                         f"and yours does not: {role}; down(silu(gate x) * up x)", "SwiGLU")
+        if linear is None:
+            return verdict
+    return named("your output is linear in up and in down, as it should be, so what differs is the gate's side: "
+                 "silu(gate x), with silu(z) = z * sigmoid(z)", "SwiGLU")
 
 
 @checker
@@ -161,7 +251,20 @@ def check_moe_combine(fn: Callable) -> Verdict:
         ("you renormalised the weights to sum to 1; they already carry routed_scaling_factor",
          shared + (expert_out * (weights / weights.sum(-1, keepdim=True))[..., None]).sum(1)),
     ]
-    return compare("MoE combine", out, expected, mistakes)
+    verdict = compare("MoE combine", out, expected, mistakes, axes={0: "tokens"})
+    if verdict.ok or verdict.mistake is not None:
+        return verdict
+    probes = [((torch.zeros_like(shared), expert_out, weights), routed, "with the shared expert zero your output is "
+               "the weighted sum, which is right, so what you do with the shared expert is wrong: it is added once, "
+               "unweighted"),
+              ((shared, torch.zeros_like(expert_out), weights), shared, "with every expert's output zero your output "
+               "is the shared expert, which is right, so the routed part is wrong: the sum over the k slots of "
+               "weight * expert output")]
+    for args, right, message in probes:
+        alone, error = call(fn, *args, keep=False)
+        if error is None and as_tensor(alone) is not None and same(as_tensor(alone), right, 1e-5, 1e-4):
+            return named(message, "MoE combine")
+    return verdict
 
 
 @checker
@@ -206,5 +309,25 @@ def check_block(fn: Callable) -> Verdict:
              x + attn(x) + ffn(x + attn(x))),
             ("attention reads x itself: it must read input_norm(x)", (x + attn(x)) + ffn(n2(x + attn(x)))),
             ("the FFN reads the stream itself: it must read post_norm(.) of it", mid + ffn(mid)),
+            ("you swapped the norms: attention reads input_norm(x), the FFN reads post_norm(.) (its "
+             "post_attention_layernorm)", (x + attn(n2(x))) + ffn(n1(x + attn(n2(x))))),
         ]
-        return compare("pre-norm block", out, expected, mistakes)
+        verdict = compare("pre-norm block", out, expected, mistakes)
+        if verdict.ok or verdict.mistake is not None:
+            return verdict
+        zero = lambda h: torch.zeros_like(h)  # noqa: E731
+        still, error = call(fn, x.clone(), n1, zero, n2, zero, keep=False)
+        if error is None and as_tensor(still) is not None and not same(as_tensor(still), x, 1e-5, 1e-4):
+            return named("with attention and the FFN both returning zeros your block must give x back (the residual "
+                         "stream passes through untouched: the norms only shape what each sublayer reads), and yours "
+                         "does not", "pre-norm block")
+        halves = [((x, n1, attn, n2, zero), mid, "with the FFN returning zeros your block gives x + "
+                   "attn(input_norm(x)), which is right, so the FFN half is wrong: it adds ffn(post_norm(h)), h the "
+                   "stream after attention"),
+                  ((x, n1, zero, n2, ffn), x + ffn(n2(x)), "with attention returning zeros your block is right, so "
+                   "the attention half is wrong: h = x + attn(input_norm(x)), the residual kept")]
+        for args, right, message in halves:
+            alone, error = call(fn, *args, keep=False)
+            if error is None and as_tensor(alone) is not None and same(as_tensor(alone), right, 1e-5, 1e-4):
+                return named(message, "pre-norm block")
+        return verdict

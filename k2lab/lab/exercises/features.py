@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from ...analysis.features import information, purity
-from .checking import Verdict, call, checker, compare, generator
+from .checking import Verdict, as_tensor, call, checker, compare, generator, named
 
 # --- purity -----------------------------------------------------------------------------------------------------
 
@@ -34,7 +34,7 @@ def check_feature_purity(fn: Callable) -> Verdict:
     chose its most frequent expert, as ``k2lab.analysis.features.purity`` computes it."""
     active, chosen = _purity_case()
     expected = purity(active[:, None], chosen, num_shuffles=1).purity[0].double()
-    out, error = call(fn, active.clone(), chosen.clone())
+    out, error = call(fn, active.clone(), chosen.clone(), own={purity: "analysis.features.purity"})
     if error is not None:
         return error
     counts = chosen[active].double().sum(0)  # [E] the feature's tokens per expert
@@ -49,10 +49,42 @@ def check_feature_purity(fn: Callable) -> Verdict:
         ("that is the share of the expert's tokens on which the feature is active (the other direction): divide by "
          "the feature's tokens", counts.max() / chosen[:, top].double().sum()),
     ]
-    return compare("purity", out, expected, mistakes, atol=1e-6)
+    verdict = compare("purity", out, expected, mistakes, atol=1e-6)
+    if verdict.ok or verdict.mistake is not None:
+        return verdict
+    pure = chosen.clone()
+    pure[active] = False
+    pure[active, 2] = True  # every token the feature is active on chose expert 2 (and only it)
+    again, error = call(fn, active.clone(), pure, keep=False)
+    value = as_tensor(again)
+    if error is None and value is not None and value.numel() == 1 and abs(float(value.reshape(())) - 1) > 1e-6:
+        return named(f"when every token the feature is active on chose the same expert, the purity is 1; yours "
+                     f"gives {float(value.reshape(())):.4g}", "purity")
+    return verdict
 
 
 # --- mutual information -------------------------------------------------------------------------------------------
+
+
+def _cell_subsets(a: torch.Tensor, c: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The sum over some of the four cells only, for each proper subset of them: a learner who left cells out."""
+    import itertools
+
+    names = {(True, True): "(yes, yes)", (True, False): "(yes, no)", (False, True): "(no, yes)",
+             (False, False): "(no, no)"}
+    terms = {}
+    for x, y in names:
+        p = ((a == x) & (c == y)).double().mean()
+        px, py = (a == x).double().mean(), (c == y).double().mean()
+        terms[(x, y)] = p * (p / (px * py)).log2() if p > 0 else torch.tensor(0.0, dtype=torch.float64)
+    subsets = []
+    for size in (1, 2, 3):
+        for cells in itertools.combinations(names, size):
+            left_out = [names[cell] for cell in names if cell not in cells]
+            subsets.append((f"you summed {size} of the four cells; the {' and '.join(left_out)} "
+                            f"cell{'s' if len(left_out) > 1 else ''} count too: I(A; C) sums p(a, c) log2(p(a, c) / "
+                            f"(p(a) p(c))) over all four", sum(terms[cell] for cell in cells)))
+    return subsets
 
 
 @checker
@@ -68,12 +100,12 @@ def check_mutual_information(fn: Callable) -> Verdict:
         single = information(a[:, None], c[None, :, None], torch.zeros(60, dtype=torch.long), min_active=1,
                              num_boot=1, num_shuffles=1, layers=[0])
         expected = single.bits[0, 0].double()
-        out, error = call(fn, a.clone(), c.clone())
+        out, error = call(fn, a.clone(), c.clone(), own={information: "analysis.features.information"})
         if error is not None:
             return error
         if isinstance(out, float | torch.Tensor) and torch.as_tensor(out).numel() == 1 and math.isnan(float(out)):
-            return Verdict(False, "mutual information: NaN where a cell holds no token: 0 log 0 counts as 0 (skip the "
-                                  "empty cells)")
+            return named("NaN where a cell holds no token: 0 log 0 counts as 0 (skip the empty cells)",
+                         "mutual information")
         pa, pc = a.double().mean(), c.double().mean()
         p11 = (a & c).double().mean()
         entropy_a = -(pa * pa.log2() + (1 - pa) * (1 - pa).log2())
@@ -87,8 +119,19 @@ def check_mutual_information(fn: Callable) -> Verdict:
             ("that is the joint entropy H(A, C); I(A; C) = H(A) + H(C) - H(A, C)", joint),
             ("you divided by H(A): that is the share the notebook plots, not the information itself",
              expected / entropy_a),
+            ("you used log10; the figure is in bits (log2)", expected * math.log10(2)),
+            *_cell_subsets(a, c),
         ]
         verdict = compare("mutual information", out, expected, mistakes, atol=1e-6)
+        if not verdict.ok and verdict.mistake is None and as_tensor(out) is not None and as_tensor(out).numel() == 1:
+            value = float(as_tensor(out).reshape(()))
+            entropy_c = -(pc * pc.log2() + (1 - pc) * (1 - pc).log2())
+            if value < -1e-9:
+                return named(f"yours is negative ({value:.4g} bits): mutual information never is (0 when A and C are "
+                             f"independent); is a ratio inside the log upside down?", "mutual information")
+            if value > min(entropy_a, entropy_c) + 1e-9:
+                return named(f"yours ({value:.4g} bits) is more than H(A) or H(C) ({min(entropy_a, entropy_c):.4g}): "
+                             f"what A tells about C cannot exceed what either holds", "mutual information")
         if not verdict.ok:
             return verdict
     return Verdict(True, "mutual information: matches k2lab on both cases, the one with an empty cell included")

@@ -12,7 +12,7 @@ import torch
 from ...config import K2Config, yarn_get_mscale
 from ...model.attention import apply_rotary
 from ...model.rope import inverse_frequencies, yarn_correction_dim, yarn_correction_range, yarn_ramp
-from .checking import Verdict, call, checker, compare, generator
+from .checking import Verdict, call, checker, compare, generator, named
 
 # --- the rotation -------------------------------------------------------------------------------------------------
 
@@ -50,7 +50,7 @@ def check_rotation(fn: Callable) -> Verdict:
     angles = positions[:, None].float() * inv_freq  # [T, R/2]
     both = torch.cat((angles, angles), dim=-1)  # [T, R]: each pair's angle on x_i and on x_{i+R/2}
     expected = apply_rotary(x, both.cos(), both.sin(), interleaved=False)
-    out, error = call(fn, x.clone(), positions.clone(), inv_freq.clone())
+    out, error = call(fn, x.clone(), positions.clone(), inv_freq.clone(), own={apply_rotary: "apply_rotary"})
     if error is not None:
         return error
     neighbours = "you paired neighbours (x_0, x_1), (x_2, x_3), ...; here the pairs are (x_i, x_{i+R/2})"
@@ -65,15 +65,18 @@ def check_rotation(fn: Callable) -> Verdict:
          _rotate_halves(x, positions[:, None].float() / inv_freq)),
     ]
     verdict = compare("rotation", out, expected, mistakes, atol=1e-4)
-    if verdict.ok or verdict.mistake is not None or not isinstance(out, torch.Tensor) or out.shape != x.shape:
+    scaled = (verdict.mistake or "").startswith("wrong scale")
+    if verdict.ok or (verdict.mistake is not None and not scaled) or not isinstance(out, torch.Tensor) \
+            or out.shape != x.shape:
         return verdict
     out = out.detach().cpu()
     if _keeps_lengths(out, x, "halves"):
-        return Verdict(False, f"{verdict.message}; it is a rotation of the right pairs, by other angles than "
-                              f"position * inv_freq[i]")
+        message = "it is a rotation of the right pairs, by other angles than position * inv_freq[i]"
+        return named(f"{verdict.message.removeprefix('rotation: ')}; {message}", "rotation")
     if _keeps_lengths(out, x, "neighbours"):  # a rotation, of the wrong pairs (in any direction, by any angles)
-        return Verdict(False, f"rotation: {neighbours}", mistake=neighbours)
-    return Verdict(False, f"{verdict.message}; also, a rotation keeps each pair's length and yours does not")
+        return named(neighbours, "rotation")
+    also = "a rotation keeps each pair's length and yours does not"
+    return Verdict(False, f"{verdict.message}; also, {also}", mistake=verdict.mistake or also)
 
 
 # --- YaRN ---------------------------------------------------------------------------------------------------------
@@ -82,6 +85,13 @@ DEEPSEEK_V3_ROPE = dict(rope_theta=10_000.0, rope_factor=40.0, original_max_posi
                         beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, max_position_embeddings=163_840)
 """DeepSeek-V3's rotary settings (its config.json): beta_fast 32 makes the ramp between the kept and the divided
 frequencies a real ramp (pairs 10..23), where K2's beta_fast 1 makes it a step (pairs 19 | 20)."""
+# DeepSeek-V2-Lite's (its config.json): V3's ramp, and a YaRN temperature taken with mscale = mscale_all_dim = 0.707,
+# so that m = 0.1 * 0.707 * ln(40) + 1 (an m that ignores mscale_all_dim shows).
+DEEPSEEK_V2_LITE_ROPE = DEEPSEEK_V3_ROPE | dict(mscale=0.707, mscale_all_dim=0.707)
+# Not a released config: K2's theta and factor with V3's beta_fast 32, so that d(beta_fast) = 8.91 (a fraction of .5
+# or more: rounding goes up where floor goes down) and d(beta_slow) = 19.16 (rounding goes down where ceil goes up),
+# and mscale 0.8 beside mscale_all_dim 0.6, so that an m taken from mscale (or from neither) shows.
+ROUNDING_ROPE = dict(beta_fast=32.0, beta_slow=1.0, mscale=0.8, mscale_all_dim=0.6)
 
 
 def _yarn_mistakes(cfg: K2Config) -> list[tuple[str, torch.Tensor]]:
@@ -104,7 +114,12 @@ def _yarn_mistakes(cfg: K2Config) -> list[tuple[str, torch.Tensor]]:
     no_pi_low, no_pi_high = max(math.floor(without_two_pi(cfg.beta_fast)), 0), math.ceil(without_two_pi(cfg.beta_slow))
     no_pi_width = max(no_pi_high - no_pi_low, 1e-3)
     swapped = cfg.replace(beta_fast=cfg.beta_slow, beta_slow=cfg.beta_fast)
+    rounded_low, rounded_high = max(round(exact(cfg.beta_fast)), 0), min(round(exact(cfg.beta_slow)), R - 1)
+    rounded_width = max(rounded_high - rounded_low, 1e-3)
     return [
+        ("you rounded the correction range to the nearest integer; it is rounded OUTWARDS: low = "
+         "floor(d(beta_fast)), high = ceil(d(beta_slow))",
+         blend(((pairs - rounded_low) / rounded_width).clamp(0, 1))),
         ("d(beta) counts turns, and one turn is 2 pi radians: pair i's wavelength is 2 pi / theta_i positions, so "
          "d(beta) = R ln(L / (2 pi beta)) / (2 ln theta); you left out the 2 pi",
          blend(((pairs - no_pi_low) / no_pi_width).clamp(0, 1))),
@@ -126,9 +141,12 @@ def _yarn_mistakes(cfg: K2Config) -> list[tuple[str, torch.Tensor]]:
 
 
 def _scale_mistakes(cfg: K2Config) -> list[tuple[str, float]]:
+    """The usual wrong softmax scales for ``cfg``; those that this config cannot tell from the right one (m taken
+    from mscale where mscale equals mscale_all_dim, say) are left out, so that no other slip is given their reason."""
     qk, m = cfg.qk_head_dim, yarn_get_mscale(cfg.rope_factor, cfg.mscale_all_dim)
     absorbed = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    return [
+    from_mscale = yarn_get_mscale(cfg.rope_factor, cfg.mscale)
+    slips = [
         ("you forgot YaRN's m: the scale is (N + R)^-1/2 * m^2", qk**-0.5),
         ("m goes in squared: q and k are each multiplied by m, so their product by m^2", qk**-0.5 * m),
         ("the head width is N + R (content and rotary parts): scale by (N + R)^-1/2, not N^-1/2",
@@ -137,40 +155,68 @@ def _scale_mistakes(cfg: K2Config) -> list[tuple[str, float]]:
          absorbed**-0.5 * m**2),
         ("you divided by m^2; YaRN multiplies the logits by m^2", qk**-0.5 / m**2),
     ]
+    if cfg.mscale_all_dim != 1.0:
+        slips.append((f"you ignored mscale_all_dim: m = 0.1 * mscale_all_dim * ln(factor) + 1, and mscale_all_dim is "
+                      f"{cfg.mscale_all_dim:g} here", qk**-0.5 * yarn_get_mscale(cfg.rope_factor, 1.0) ** 2))
+    if cfg.mscale != cfg.mscale_all_dim:
+        slips += [
+            (f"you took m from mscale ({cfg.mscale:g}); the softmax's temperature takes mscale_all_dim "
+             f"({cfg.mscale_all_dim:g}): m = 0.1 * mscale_all_dim * ln(factor) + 1 (mscale goes into the factor on "
+             f"cos and sin, m(mscale) / m(mscale_all_dim))", qk**-0.5 * from_mscale**2),
+            ("you used m(mscale) / m(mscale_all_dim), the factor on cos and sin; the softmax scale takes "
+             "m = m(mscale_all_dim), squared", qk**-0.5 * (from_mscale / m) ** 2),
+        ]
+    return slips
 
 
 @checker
 def check_yarn_frequencies(fn: Callable) -> Verdict:
     """``fn(cfg: K2Config) -> (inv_freq [R/2], softmax_scale: float)``: YaRN's rotary frequencies and the softmax
-    scale, for K2's config and for DeepSeek-V3's (``DEEPSEEK_V3_ROPE``), against ``k2lab.model.rope`` and
-    ``K2Config.softmax_scale``.
+    scale, against ``k2lab.model.rope`` and ``K2Config.softmax_scale``, for K2's config, DeepSeek-V3's
+    (``DEEPSEEK_V3_ROPE``: a real ramp), DeepSeek-V2-Lite's (``DEEPSEEK_V2_LITE_ROPE``: mscale_all_dim 0.707) and a
+    made-up one (``ROUNDING_ROPE`` on K2: d(beta) with fractions on both sides of .5, mscale unlike mscale_all_dim).
 
     With d(beta) = R ln(L / (2 pi beta)) / (2 ln theta) (L the original context), the correction range is
     low = floor(d(beta_fast)), high = ceil(d(beta_slow)); the ramp r_i = clamp((i - low) / (high - low), 0, 1) over the
     pair index i; inv_freq_i = base_i / factor * r_i + base_i * (1 - r_i) with base_i = theta^(-2i/R). The scale is
     (N + R)^-1/2 * m^2 with m = 0.1 * mscale_all_dim * ln(factor) + 1."""
-    configs = [("K2", K2Config.kimi_k2()), ("DeepSeek-V3", K2Config.kimi_k2().replace(**DEEPSEEK_V3_ROPE))]
+    configs = [("K2", K2Config.kimi_k2()), ("DeepSeek-V3", K2Config.kimi_k2().replace(**DEEPSEEK_V3_ROPE)),
+               ("DeepSeek-V2-Lite", K2Config.kimi_k2().replace(**DEEPSEEK_V2_LITE_ROPE)),
+               ("a made-up config (K2 with beta_fast 32, mscale 0.8, mscale_all_dim 0.6)",
+                K2Config.kimi_k2().replace(**ROUNDING_ROPE))]
+    own = {inverse_frequencies: "inverse_frequencies", yarn_ramp: "yarn_ramp",
+           K2Config.softmax_scale: "K2Config.softmax_scale", K2Config.yarn_mscale: "K2Config.yarn_mscale"}
     for name, cfg in configs:
-        out, error = call(fn, cfg)
+        out, error = call(fn, cfg, own=own)
         if error is not None:
             return error
         if not isinstance(out, (tuple, list)) or len(out) != 2:
-            return Verdict(False, f"{name}: return two things, (inv_freq [R/2], softmax_scale)")
+            return named("return two things, (inv_freq [R/2], softmax_scale)", name)
         inv_freq, scale = out
+        low, high = yarn_correction_range(cfg)
         verdict = compare(f"{name}'s inverse frequencies", inv_freq, inverse_frequencies(cfg).double(),
-                          _yarn_mistakes(cfg), atol=1e-12, rtol=1e-5)
+                          _yarn_mistakes(cfg), atol=1e-12, rtol=1e-5, axes={0: "pairs"})
+        if (verdict.mistake or "").startswith("yours is right at pairs"):
+            verdict = named(f"{verdict.mistake} (here low = {low}, high = {high}: pairs up to low keep their "
+                            f"frequency, pairs from high on are divided by the factor, the ramp (i - low) / (high - "
+                            f"low) blends those between)", f"{name}'s inverse frequencies")
         if not verdict.ok:
             return verdict
         try:
             scale = float(scale)
         except (TypeError, ValueError, RuntimeError):
-            return Verdict(False, f"{name}'s softmax scale: return one number, got a {type(scale).__name__}")
+            return named(f"return one number, got a {type(scale).__name__}", f"{name}'s softmax scale")
         verdict = compare(f"{name}'s softmax scale", torch.tensor(scale, dtype=torch.float64),
                           torch.tensor(cfg.softmax_scale, dtype=torch.float64),
                           [(message, torch.tensor(value)) for message, value in _scale_mistakes(cfg)],
                           atol=0, rtol=1e-6)
+        if not verdict.ok and verdict.mistake is None and scale > 0:
+            implied = (scale * cfg.qk_head_dim**0.5) ** 0.5  # the m of a scale (N + R)^-1/2 * m^2
+            return named(f"yours is (N + R)^-1/2 * m^2 with m = {implied:.6g}; YaRN's temperature is m = 0.1 * "
+                         f"mscale_all_dim * ln(factor) + 1 = {cfg.yarn_mscale:.6g}", f"{name}'s softmax scale")
         if not verdict.ok:
             return verdict
-    k2, v3 = (yarn_correction_range(cfg) for _, cfg in configs)
-    return Verdict(True, f"YaRN: frequencies and softmax scale match k2lab for K2 (range {k2}, a step) and "
-                         f"DeepSeek-V3 (range {v3}, a ramp); K2's scale {configs[0][1].softmax_scale:.8f}")
+    k2, v3 = (yarn_correction_range(cfg) for _, cfg in configs[:2])
+    return Verdict(True, f"YaRN: frequencies and softmax scale match k2lab for K2 (range {k2}, a step), "
+                         f"DeepSeek-V3 (range {v3}, a ramp), DeepSeek-V2-Lite (m from mscale_all_dim 0.707) and a "
+                         f"made-up config whose range rounds outwards; K2's scale {configs[0][1].softmax_scale:.8f}")
