@@ -26,6 +26,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -131,6 +132,9 @@ def main() -> None:
         return
     for name in [k for k in os.environ if k.startswith("K2LAB_") and not args.keep_env]:
         del os.environ[name]
+    # The learner's module of this build: a fresh file, so that no mine.py of a developer's own (notebooks/mine.py)
+    # reaches the stored outputs; the notebooks of one build share it, as a learner's do.
+    os.environ.setdefault("K2LAB_MINE", str(Path(tempfile.mkdtemp(prefix="k2lab-build-")) / "mine.py"))
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # Kernels inherit this environment: put this checkout first, so the notebooks import the k2lab beside them
     # (not another installed copy) and the stored outputs are this tree's.
