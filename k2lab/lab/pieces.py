@@ -265,10 +265,12 @@ def _piece(name: str, where: str, what: str, check_name: str, reference: Callabl
 
 
 def reference_greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """00's ``my_greedy``: ``k2lab.generate``, greedy."""
-    from ..model import generate
-
-    return generate(model, ids, max_new_tokens=new_tokens)
+    """00's ``my_greedy``: greedy decoding by hand, the whole sequence through the model at each step (what
+    ``k2lab.generate`` does through its latent cache)."""
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)  # [B, T + 1]
+    return ids
 
 
 def reference_train_bpe(texts: list[str], num_merges: int, pre_tokenize: Callable) -> list[tuple[bytes, bytes]]:

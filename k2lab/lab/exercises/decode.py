@@ -13,7 +13,7 @@ from ...config import K2Config
 from ...model import K2Model, MultiHeadLatentAttention, generate
 from ...model.rope import cos_sin_scale, inverse_frequencies
 from ..own_training import meta_mla
-from .checking import Verdict, Watch, call, checker, compare, generator, slices
+from .checking import Verdict, Watch, call, checker, compare, generator
 
 EXPANDED = ("you expanded the cached latents into every head's keys or values; attend over the cache as it is "
             "stored: the query [W_UK^T q_nope ; q_pe] against [c_KV ; k_pe], W_UV after the attention")
@@ -111,7 +111,8 @@ def check_cached_mla(fn: Callable) -> Verdict:
             expected_out, expected_cache = reference_cached_mla(*args)
             latents = expected_cache[..., :C]  # [B, S, C] every position's c_KV
             kv = (latents @ w["kv_b_proj.weight"].T).unflatten(-1, (H, N + V))  # [B, S, H, N + V]
-        watch = Watch({EXPANDED: [kv, *slices(kv[..., :N], (0, 2)), *slices(kv[..., N:], (0, 2))]})
+        watch = (Watch().forbid(EXPANDED, kv).forbid(EXPANDED, kv[..., :N], (0, 2))
+                 .forbid(EXPANDED, kv[..., N:], (0, 2)))  # whole, or per row or head, at any scale or layout
         with watch, torch.no_grad():
             out, error = call(fn, dict(w), cfg, hidden.clone(), cos.clone(), sin.clone(), cache.clone())
         if error is not None:

@@ -142,7 +142,7 @@ def check_adamw_step(fn: Callable) -> Verdict:
     p = p0.clone()
     for step, grad in enumerate(grads):
         given = p.clone()
-        out, error = call(fn, given, grad.clone(), state, lr, wd)
+        out, error = call(fn, given, grad.clone(), state, lr, wd, keep=(0, 1))  # the state is theirs to update
         if error is not None:
             return error
         mistakes = [
@@ -231,7 +231,7 @@ def check_muon_step(fn: Callable) -> Verdict:
         state: dict = {}
         p = p0.clone()
         for step, grad in enumerate(grads):
-            out, error = call(fn, p.clone(), grad.clone(), state, lr, wd)
+            out, error = call(fn, p.clone(), grad.clone(), state, lr, wd, keep=(0, 1))  # state: theirs to update
             if error is not None:
                 return error
             label = f"Muon, {what}, step {step + 1}"
@@ -333,7 +333,8 @@ def check_train_step(fn: Callable) -> Verdict:
     params, opt_state = {n: t.clone() for n, t in init.items()}, {}
     losses = []
     for batch in batches:
-        out, error = call(fn, params, opt_state, batch.clone(), cfg, lr, tau, bias_step, pad_id)
+        # The weights and the optimizer's state are theirs to update in place; the batch must come back unchanged.
+        out, error = call(fn, params, opt_state, batch.clone(), cfg, lr, tau, bias_step, pad_id, keep=(2,))
         if error is not None:
             return error
         if not (isinstance(out, tuple) and len(out) == 2):
