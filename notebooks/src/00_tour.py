@@ -246,9 +246,8 @@ print(prompt + tok.decode(out[0, ids.shape[1]:]))
 # %% tags=["solution"]
 # Solution (click to show)
 first = out[0, ids.shape[1]].item()
-with lab.folded():
-    print(f"top guess {tok.id_to_piece(top.indices[0].item())!r}, first generated {tok.id_to_piece(first)!r}: "
-          f"{first == top.indices[0].item()}")
+print(f"top guess {tok.id_to_piece(top.indices[0].item())!r}, first generated {tok.id_to_piece(first)!r}: "
+      f"{first == top.indices[0].item()}")
 
 # %% [markdown]
 # ### Exercise 2 ★ · Change a knob
@@ -276,10 +275,9 @@ with lab.folded():
 
 # %% tags=["solution"]
 # Solution (click to show)
-with lab.folded("The two samples (click to show)"):
-    for seed in (0, 1):
-        sampled = k2lab.generate(model, ids, max_new_tokens=24, temperature=0.8, seed=seed)
-        print(f"seed {seed}: {tok.decode(sampled[0, ids.shape[1]:])!r}")
+for seed in (0, 1):
+    sampled = k2lab.generate(model, ids, max_new_tokens=24, temperature=0.8, seed=seed)
+    print(f"seed {seed}: {tok.decode(sampled[0, ids.shape[1]:])!r}")
 
 # %% [markdown]
 # ### Exercise 3 ★ · Write it yourself: greedy decoding

@@ -197,8 +197,7 @@ def solution_train_bpe(texts: list[str], num_merges: int, pre_tokenize) -> list[
 
 
 print(exercises.check_bpe_training(solution_train_bpe))
-with lab.folded("The first merges of the small corpus (click to show)"):
-    print(solution_train_bpe(corpus, 4, pre_tokenize))
+print(solution_train_bpe(corpus, 4, pre_tokenize))
 
 # %% [markdown]
 # ### Your trainer on real text
@@ -449,8 +448,7 @@ viz.widgets.token_explorer(tok, "for i in range(10):\n    print(i ** 2)  # 0 1 4
 
 # %% tags=["solution"]
 # Solution (click to show)
-with lab.folded():
-    print(pre_tokenize("x = 1234567890"))
+print(pre_tokenize("x = 1234567890"))
 
 # %% [markdown]
 # ### Exercise 4 ★ · Change a knob
@@ -479,15 +477,14 @@ with lab.folded():
 
 # %% tags=["solution"]
 # Solution (click to show)
-with lab.folded():
-    for word in (b" radius", b" perimeter"):
-        parts, merges = rank_bpe(nano_ranks, word, max_rank=0), 0
-        for rank in sorted(nano_ranks[word[a:b]] for a in range(len(word)) for b in range(a + 2, len(word) + 1)
-                           if word[a:b] in nano_ranks):
-            step = rank_bpe(nano_ranks, word, max_rank=rank + 1)
-            merges += step != parts
-            parts = step
-        print(f"{word!r}: {merges} merges -> {show(parts)}")
+for word in (b" radius", b" perimeter"):
+    parts, merges = rank_bpe(nano_ranks, word, max_rank=0), 0
+    for rank in sorted(nano_ranks[word[a:b]] for a in range(len(word)) for b in range(a + 2, len(word) + 1)
+                       if word[a:b] in nano_ranks):
+        step = rank_bpe(nano_ranks, word, max_rank=rank + 1)
+        merges += step != parts
+        parts = step
+    print(f"{word!r}: {merges} merges -> {show(parts)}")
 
 # %% [markdown]
 # ### Exercise 5 ★★ · Change a knob: no pre-tokenizer
@@ -523,7 +520,6 @@ import re
 
 whole = [left + right for left, right in mine.my_train_bpe([inspect.getsource(textwrap)], 300, lambda text: [text])]
 crossing = [t for t in whole if re.search(rb"[a-z] ", t)]
-with lab.folded():
-    print(f"{len(crossing)} of {len(whole)} tokens hold a letter followed by a space, e.g.",
-          [t.decode(errors="replace") for t in crossing[:8]])
-    print("with K2's regex:", sum(bool(re.search(rb"[a-z] ", t)) for t in learned))
+print(f"{len(crossing)} of {len(whole)} tokens hold a letter followed by a space, e.g.",
+      [t.decode(errors="replace") for t in crossing[:8]])
+print("with K2's regex:", sum(bool(re.search(rb"[a-z] ", t)) for t in learned))

@@ -411,9 +411,8 @@ print(f"nano softmax scale: {nano.softmax_scale:.7f} (= {nano.qk_head_dim}^-0.5 
 # %% tags=["solution"]
 # Solution (click to show)
 k2_0905 = k2.replace(rope_factor=64.0, max_position_embeddings=262_144)
-with lab.folded():
-    print(f"factor 32: range {rope.yarn_correction_range(k2)}, softmax scale {k2.softmax_scale:.5f}")
-    print(f"factor 64: range {rope.yarn_correction_range(k2_0905)}, softmax scale {k2_0905.softmax_scale:.5f}")
+print(f"factor 32: range {rope.yarn_correction_range(k2)}, softmax scale {k2.softmax_scale:.5f}")
+print(f"factor 64: range {rope.yarn_correction_range(k2_0905)}, softmax scale {k2_0905.softmax_scale:.5f}")
 
 # %% [markdown]
 # ### Exercise 4 ★ · Change a knob
@@ -443,6 +442,5 @@ with lab.folded():
 # %% tags=["solution"]
 # Solution (click to show)
 base_10k = k2.replace(rope_theta=10_000.0)
-with lab.folded():
-    print(f"d(1) = {rope.yarn_correction_dim(1.0, R, 10_000.0, L):.2f}, range {rope.yarn_correction_range(base_10k)}, "
-          f"kept pairs: {int((rope.yarn_ramp(base_10k) == 0).sum())}")
+print(f"d(1) = {rope.yarn_correction_dim(1.0, R, 10_000.0, L):.2f}, range {rope.yarn_correction_range(base_10k)}, "
+      f"kept pairs: {int((rope.yarn_ramp(base_10k) == 0).sum())}")

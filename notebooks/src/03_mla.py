@@ -641,11 +641,10 @@ viz.score_split_figure(content, rotary, tokens,
 
 # %% tags=["solution"]
 # Solution (click to show)
-with lab.folded():
-    for heads in (64, 128):
-        cfg_h = k2.replace(num_attention_heads=heads)
-        print(f"{heads} heads: MLA {k2lab.kv_cache_bytes(cfg_h, 1):,} bytes per token, "
-              f"MHA {k2lab.kv_cache_bytes(cfg_h, 1, layout='expanded'):,}")
+for heads in (64, 128):
+    cfg_h = k2.replace(num_attention_heads=heads)
+    print(f"{heads} heads: MLA {k2lab.kv_cache_bytes(cfg_h, 1):,} bytes per token, "
+          f"MHA {k2lab.kv_cache_bytes(cfg_h, 1, layout='expanded'):,}")
 
 # %% [markdown]
 # ### Exercise 6 ★ · Change a knob
@@ -679,6 +678,5 @@ import copy
 
 half = copy.deepcopy(model).to(torch.bfloat16)
 naive16, absorbed16 = half(ids, attn_impl="naive"), half(ids, attn_impl="absorbed")
-with lab.folded():
-    print(f"bfloat16: max |naive - absorbed| = {(naive16 - absorbed16).abs().max().item():.2e}; "
-          f"same top token at {(naive16.argmax(-1) == absorbed16.argmax(-1)).float().mean().item():.0%} of positions")
+print(f"bfloat16: max |naive - absorbed| = {(naive16 - absorbed16).abs().max().item():.2e}; "
+      f"same top token at {(naive16.argmax(-1) == absorbed16.argmax(-1)).float().mean().item():.0%} of positions")

@@ -529,9 +529,8 @@ target = int(tr.indices[tr.row(layer), 0, -1, -1])  # any expert will do; here t
 with edit_bias(model, {layer: lambda b: b.index_add(0, torch.tensor([target], device=b.device), b.new_ones(1))}):
     boosted = routing.trace(model, ids)
 share = (boosted.indices[boosted.row(layer), 0] == target).any(-1).float().mean().item()
-with lab.folded():
-    print(f"expert {target} at layer {layer}: chosen by {share:.0%} of tokens (before: "
-          f"{(tr.indices[tr.row(layer), 0] == target).any(-1).float().mean().item():.0%})")
+print(f"expert {target} at layer {layer}: chosen by {share:.0%} of tokens (before: "
+      f"{(tr.indices[tr.row(layer), 0] == target).any(-1).float().mean().item():.0%})")
 
 # %% [markdown]
 # ### Exercise 4 ★★ · Change a knob: half and double the bias
@@ -565,9 +564,8 @@ with lab.folded():
 
 # %% tags=["solution"]
 # Solution (click to show)
-with lab.folded():
-    for factor in (0.5, 2.0):
-        vio, loss = balance_and_loss({i: (lambda b, f=factor: f * b) for i in tr.layers})
-        print(f"bias x {factor}: MaxVio {[round(v, 2) for v in vio.tolist()]}, loss {loss:.3f} "
-              f"(trained bias: {[round(v, 2) for v in vio_with.tolist()]}, {loss_with:.3f}; "
-              f"no bias: {loss_without:.3f})")
+for factor in (0.5, 2.0):
+    vio, loss = balance_and_loss({i: (lambda b, f=factor: f * b) for i in tr.layers})
+    print(f"bias x {factor}: MaxVio {[round(v, 2) for v in vio.tolist()]}, loss {loss:.3f} "
+          f"(trained bias: {[round(v, 2) for v in vio_with.tolist()]}, {loss_with:.3f}; "
+          f"no bias: {loss_without:.3f})")

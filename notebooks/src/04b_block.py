@@ -443,11 +443,10 @@ viz.residual_norm_figure(stream_rms, added, title="K2-nano: the residual stream'
 
 # %% tags=["solution"]
 # Solution (click to show)
-with lab.folded():
-    for i in [i for i in range(len(model.layers)) if f"layers.{i}.mlp.hook_shared_out" in cache]:
-        shared_rms = rms(cache[f"layers.{i}.mlp.hook_shared_out"][0, -1]).item()
-        routed_rms = rms(cache[f"layers.{i}.mlp.hook_routed_out"][0, -1]).item()
-        print(f"layer {i}: shared {shared_rms:5.2f}, routed {routed_rms:5.2f} ({routed_rms / shared_rms:.1f}x)")
+for i in [i for i in range(len(model.layers)) if f"layers.{i}.mlp.hook_shared_out" in cache]:
+    shared_rms = rms(cache[f"layers.{i}.mlp.hook_shared_out"][0, -1]).item()
+    routed_rms = rms(cache[f"layers.{i}.mlp.hook_routed_out"][0, -1]).item()
+    print(f"layer {i}: shared {shared_rms:5.2f}, routed {routed_rms:5.2f} ({routed_rms / shared_rms:.1f}x)")
 
 # %% [markdown]
 # ### Exercise 6 ★★ · Change a knob: remove the shared expert, or the routed ones
@@ -482,9 +481,8 @@ print("the model's top next token:", repr(top(logits)))
 
 # %% tags=["solution"]
 # Solution (click to show)
-with lab.folded():
-    for part in ("hook_shared_out", "hook_routed_out"):
-        with model.hooks(fwd_hooks=[(lambda name: name.endswith(part), lambda t, hook: t * 0)]):  # every MoE layer
-            out = model(ids)
-        print(f"without {part.removeprefix('hook_').removesuffix('_out')}: top next token {top(out)!r}, "
-              f"p = {out[0, -1].softmax(-1).max().item():.2f} (with both: p = {logits[0, -1].softmax(-1).max():.2f})")
+for part in ("hook_shared_out", "hook_routed_out"):
+    with model.hooks(fwd_hooks=[(lambda name: name.endswith(part), lambda t, hook: t * 0)]):  # every MoE layer
+        out = model(ids)
+    print(f"without {part.removeprefix('hook_').removesuffix('_out')}: top next token {top(out)!r}, "
+          f"p = {out[0, -1].softmax(-1).max().item():.2f} (with both: p = {logits[0, -1].softmax(-1).max():.2f})")

@@ -280,8 +280,7 @@ viz.entropy_figure(entropies, maxima, layers, title="Router entropy per token on
 
 # %% tags=["solution"]
 # Solution (click to show)
-with lab.folded():
-    print(routing.max_violation(torch.tensor([[10, 10, 10, 10], [40, 0, 0, 0]])).tolist())
+print(routing.max_violation(torch.tensor([[10, 10, 10, 10], [40, 0, 0, 0]])).tolist())
 
 # %% [markdown]
 # ### Exercise 3 ★★ · Change a knob: the first choice alone
@@ -316,10 +315,9 @@ with lab.folded():
 # %% tags=["solution"]
 # Solution (click to show)
 first = sum(routing.expert_counts(t, top=1) for t in traces.values())
-with lab.folded():
-    print("all k choices:", [round(v, 2) for v in routing.max_violation(counts).tolist()])
-    print("first choice: ", [round(v, 2) for v in routing.max_violation(first).tolist()])
-    for name, t in traces.items():  # share of tokens whose first choice differs from the one without the bias
-        moved = (t.indices[..., 0] != t.unbiased_indices[..., 0]).float().flatten(1).mean(-1)  # [L_moe]
-        print(f"{name}: first choice changed by the bias", [f"{v:.0%}" for v in moved.tolist()],
-              "| chosen set changed", [f"{v:.0%}" for v in t.bias_flips.float().flatten(1).mean(-1).tolist()])
+print("all k choices:", [round(v, 2) for v in routing.max_violation(counts).tolist()])
+print("first choice: ", [round(v, 2) for v in routing.max_violation(first).tolist()])
+for name, t in traces.items():  # share of tokens whose first choice differs from the one without the bias
+    moved = (t.indices[..., 0] != t.unbiased_indices[..., 0]).float().flatten(1).mean(-1)  # [L_moe]
+    print(f"{name}: first choice changed by the bias", [f"{v:.0%}" for v in moved.tolist()],
+          "| chosen set changed", [f"{v:.0%}" for v in t.bias_flips.float().flatten(1).mean(-1).tolist()])

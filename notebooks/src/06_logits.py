@@ -284,8 +284,7 @@ print(prompt + tok.decode(fast[0, ids.shape[1]:]))
 # %% tags=["solution"]
 # Solution (click to show)
 guesses = [tok.id_to_piece(i) for i in lens[:, -1].argmax(-1).tolist()]
-with lab.folded():
-    print("top guess at the last position, layer by layer:", guesses)
+print("top guess at the last position, layer by layer:", guesses)
 
 # %% [markdown]
 # ### Exercise 3 ★★ · Change a knob: another alternative
@@ -320,6 +319,5 @@ with lab.folded():
 space = tok.encode(" ")[0]
 against_space = cache.logit_attribution(model.lm_head.weight[target] - model.lm_head.weight[space], pos=-1)
 _, values_space = against_space.components(split_moe=True)
-with lab.folded():
-    for n in order[:6].tolist():
-        print(f"{labels[n]:<10} vs ' (' {values[n, 0].item():+.2f}   vs ' ' {values_space[n, 0].item():+.2f}")
+for n in order[:6].tolist():
+    print(f"{labels[n]:<10} vs ' (' {values[n, 0].item():+.2f}   vs ' ' {values_space[n, 0].item():+.2f}")

@@ -394,7 +394,7 @@ fig
 # %% tags=["solution"]
 # Solution (click to show)
 both_zeroed = [("layers.4.self_attn.hook_z", zero_head(0)), ("layers.5.self_attn.hook_z", zero_head(3))]
-with lab.folded(), model.hooks(fwd_hooks=both_zeroed):
+with model.hooks(fwd_hooks=both_zeroed):
     print(f"without L4.h0 and L5.h3: p = {prob(model(ids)):.3f} (L4.h0 alone: {p_without[4, 0].item():.3f})")
 
 # %% [markdown]
@@ -431,9 +431,8 @@ with force_route(model, {layer: [least]}, positions=[-1]):
     forced = routing.trace(model, ids)
     delta = log_prob(model(ids)) - log_prob(logits)
 j = forced.row(layer)
-with lab.folded():
-    print(f"forced expert {least} (s = {tr.scores[j, 0, -1, least].item():.3f}): chosen {forced.indices[j, 0, -1].tolist()}, "
-          f"weights {[round(w, 3) for w in forced.weights[j, 0, -1].tolist()]}; change in log p {delta:+.3f}")
+print(f"forced expert {least} (s = {tr.scores[j, 0, -1, least].item():.3f}): chosen {forced.indices[j, 0, -1].tolist()}, "
+      f"weights {[round(w, 3) for w in forced.weights[j, 0, -1].tolist()]}; change in log p {delta:+.3f}")
 
 # %% [markdown]
 # ### Exercise 4 ★★ · Predict, then run: where is the estimate exact?
@@ -469,9 +468,8 @@ with lab.folded():
 final_names = ["norm.hook_out", f"layers.{L - 1}.hook_resid_post"]
 _, final_cache = model.run_with_cache(clean, names=final_names)
 final_estimates = attribution_patch(model, clean, corrupt, ld_tensor, names=final_names)
-with lab.folded():
-    for name in final_names:
-        with patch(model, final_cache, name, positions=[T - 1]):
-            real = ld(model(corrupt)) - ld_corrupt
-        print(f"{name:<24} last position: estimate {final_estimates[name][0, -1].item():+.4f}, "
-              f"real patch {real:+.4f} (change in LD)")
+for name in final_names:
+    with patch(model, final_cache, name, positions=[T - 1]):
+        real = ld(model(corrupt)) - ld_corrupt
+    print(f"{name:<24} last position: estimate {final_estimates[name][0, -1].item():+.4f}, "
+          f"real patch {real:+.4f} (change in LD)")

@@ -527,9 +527,8 @@ print(f"K2: {solution_moe_block_parameters(k2):,} parameters per MoE block, "
 # Solution (click to show)
 values = 3 * k2.moe_intermediate_size * k2.hidden_size
 scales = 3 * math.ceil(k2.moe_intermediate_size / 128) * math.ceil(k2.hidden_size / 128) * 4
-with lab.folded():
-    print(f"one expert: {values:,} + {scales:,} bytes; one layer's {k2.n_routed_experts}: "
-          f"{k2.n_routed_experts * (values + scales) / 1e9:.1f} GB")
+print(f"one expert: {values:,} + {scales:,} bytes; one layer's {k2.n_routed_experts}: "
+      f"{k2.n_routed_experts * (values + scales) / 1e9:.1f} GB")
 
 # %% [markdown]
 # ### Exercise 5 ★★ · Change a knob: half the node
@@ -559,5 +558,4 @@ with lab.folded():
 
 # %% tags=["solution"]
 # Solution (click to show)
-with lab.folded():
-    print(k2lab.plan(k2, devices=[141 * 10**9] * 4))
+print(k2lab.plan(k2, devices=[141 * 10**9] * 4))

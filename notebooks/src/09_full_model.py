@@ -338,11 +338,10 @@ from_1, _ = mine.my_cached_mla(w1, nano.config, x1, *solution_rotations(nano.con
 _, cached = mine.my_cached_mla(w1, nano.config, x1[:, :-1], *solution_rotations(nano.config, 0, T - 1), empty)
 right, _ = mine.my_cached_mla(w1, nano.config, x1[:, -1:], *solution_rotations(nano.config, T - 1, 1), cached)
 too_far, _ = mine.my_cached_mla(w1, nano.config, x1[:, -1:], *solution_rotations(nano.config, T, 1), cached)
-with lab.folded():
-    print(f"1. whole prompt from position 0 and from 1: max |difference| = {(from_0 - from_1).abs().max():.1e}")
-    print(f"2. decode step at position {T - 1} and at {T}: max |difference| = {(right - too_far).abs().max():.1e} "
-          f"(outputs up to {right.abs().max():.2f}); the step at {T - 1} equals the whole prompt's last position: "
-          f"{torch.allclose(right, from_0[:, -1:], atol=1e-5)}")
+print(f"1. whole prompt from position 0 and from 1: max |difference| = {(from_0 - from_1).abs().max():.1e}")
+print(f"2. decode step at position {T - 1} and at {T}: max |difference| = {(right - too_far).abs().max():.1e} "
+      f"(outputs up to {right.abs().max():.2f}); the step at {T - 1} equals the whole prompt's last position: "
+      f"{torch.allclose(right, from_0[:, -1:], atol=1e-5)}")
 
 # %% [markdown]
 # ### Exercise 4 ★★★ · Write it yourself: greedy generation with your cache
@@ -624,9 +623,8 @@ tr_other = routing.trace(model, other)
 first = next(t for t, (a, b) in enumerate(zip(ids[0].tolist(), other[0].tolist(), strict=False)) if a != b)
 same = [torch.equal(tr.indices[:, 0, t], tr_other.indices[:, 0, t].to(tr.indices.device))  # tr was gathered to the CPU
         for t in range(min(ids.shape[1], other.shape[1]))]
-with lab.folded():
-    print(f"first differing token at position {first}; routing identical at positions 0..{first - 1}: "
-          f"{all(same[:first])}; identical afterwards at {sum(same[first:])} of {len(same) - first} shared positions")
+print(f"first differing token at position {first}; routing identical at positions 0..{first - 1}: "
+      f"{all(same[:first])}; identical afterwards at {sum(same[first:])} of {len(same) - first} shared positions")
 
 # %% [markdown]
 # ### Exercise 7 ★ · Change a knob: your own system message
@@ -662,7 +660,6 @@ from k2lab.tokenizer.chat import DEFAULT_SYSTEM_PROMPT
 own = [{"role": "system", "content": "Be brief."}, *messages]
 with_own = tok.apply_chat_template(own)
 user_turn = tok.special_tokens["<|im_user|>"]  # each system turn ends where the user's turn begins
-with lab.folded():
-    print(f"the default system turn: {ids[0].tolist().index(user_turn)} of the prompt's {ids.shape[1]} tokens, "
-          f"{len(tok.encode(DEFAULT_SYSTEM_PROMPT))} of them its text")
-    print(f"with 'Be brief.': a system turn of {with_own.index(user_turn)} tokens, {len(with_own)} in all")
+print(f"the default system turn: {ids[0].tolist().index(user_turn)} of the prompt's {ids.shape[1]} tokens, "
+      f"{len(tok.encode(DEFAULT_SYSTEM_PROMPT))} of them its text")
+print(f"with 'Be brief.': a system turn of {with_own.index(user_turn)} tokens, {len(with_own)} in all")

@@ -862,10 +862,9 @@ def scaled_by(name: str, rows: int) -> torch.Tensor:
 
 
 q_factor, kv_factor = scaled_by("q_b_proj", N + R), scaled_by("kv_b_proj", N + V)
-with lab.folded():
-    print(f"head 0: content query rows x {q_factor[0, :N].median().item():.3f}, rotary query rows x "
-          f"{q_factor[0, N:].median().item():.3f}, key rows x {kv_factor[0, :N].median().item():.3f}, value rows x "
-          f"{kv_factor[0, N:].median().item():.3f}")
+print(f"head 0: content query rows x {q_factor[0, :N].median().item():.3f}, rotary query rows x "
+      f"{q_factor[0, N:].median().item():.3f}, key rows x {kv_factor[0, :N].median().item():.3f}, value rows x "
+      f"{kv_factor[0, N:].median().item():.3f}")
 
 # %% [markdown]
 # ### Exercise 9 ★★ · Change a knob: clip at three quarters
@@ -897,6 +896,5 @@ three_quarters = copy.deepcopy(model)
 tau_34 = torch.full_like(before, float("inf"))
 tau_34[last] = before[last] * 0.75
 gamma_34 = qk_clip(three_quarters, before, tau_34)
-with lab.folded():
-    print(f"gamma {[round(g, 3) for g in gamma_34[last].tolist()]}; largest logits after "
-          f"{[round(x, 2) for x in head_max(three_quarters)[last].tolist()]} = tau {[round(x, 2) for x in tau_34[last].tolist()]}")
+print(f"gamma {[round(g, 3) for g in gamma_34[last].tolist()]}; largest logits after "
+      f"{[round(x, 2) for x in head_max(three_quarters)[last].tolist()]} = tau {[round(x, 2) for x in tau_34[last].tolist()]}")

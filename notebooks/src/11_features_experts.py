@@ -551,7 +551,7 @@ def add_feature(strength: float):
     return hook
 
 
-with lab.folded(), interventions.splice(model, sae.probe, sae, keep_error=True):
+with interventions.splice(model, sae.probe, sae, keep_error=True):
     for strength in (2.0, 5.0, 10.0):
         with model.hooks(fwd_hooks=[(feature_probe, add_feature(strength))]):
             print(f"+{strength:>4}: LD {ld(model(corrupt)):+.2f} (corrupted {ld_corrupt:+.2f}, clean {ld_clean:+.2f})")
@@ -592,9 +592,8 @@ with lab.folded(), interventions.splice(model, sae.probe, sae, keep_error=True):
 # Solution (click to show)
 rare = features.information(active, moe_trace.chosen(), moe_trace.sequences(), layers=moe_trace.routing.layers,
                             min_active=10, num_boot=100)
-with lab.folded():
-    for j, i in enumerate(rare.layers):
-        low, high = rare.mean_share_ci[:, j].tolist()
-        print(f"layer {i}: plug-in {rare.mean_share_plugin[j]:.3f}, corrected {rare.mean_share[j]:.3f} "
-              f"[{low:.3f}, {high:.3f}]: a correction of {rare.mean_share_plugin[j] - rare.mean_share[j]:.3f}, "
-              f"against {info.mean_share_plugin[j] - info.mean_share[j]:.3f} with the default min_active=50")
+for j, i in enumerate(rare.layers):
+    low, high = rare.mean_share_ci[:, j].tolist()
+    print(f"layer {i}: plug-in {rare.mean_share_plugin[j]:.3f}, corrected {rare.mean_share[j]:.3f} "
+          f"[{low:.3f}, {high:.3f}]: a correction of {rare.mean_share_plugin[j] - rare.mean_share[j]:.3f}, "
+          f"against {info.mean_share_plugin[j] - info.mean_share[j]:.3f} with the default min_active=50")

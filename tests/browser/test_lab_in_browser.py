@@ -30,7 +30,7 @@ class Expect:
     plots: int  # plotly graphs drawn, at least (those inside explorers included)
     widgets: int  # ipywidgets views, at least
     diagrams: int = 0  # Mermaid diagrams in Markdown cells drawn as SVG, at least
-    texts: tuple[str, ...] = ()  # printed by some code cell (an exercise's verdict, say)
+    texts: tuple[str, ...] = ()  # printed or shown by some cell's output (an exercise's verdict, say)
     # A learner's answer typed into the exercise cell whose source starts with the key, before Run All runs it and
     # steps on past its solution; and a cell added at the end, which prints what the notebook then holds.
     answers: tuple[tuple[str, str], ...] = ()
@@ -38,12 +38,12 @@ class Expect:
     reopen: bool = False  # saved after the run and opened again (for explorers: is their stored state found?)
 
 
-# 04b's first exercise answered by a learner who forgot the eps; Run All then runs the hidden solution after it.
-WRONG_RMS_NORM = ("def my_rms_norm(x, weight, eps):\n"
-                  "    return weight * x / x.pow(2).mean(-1, keepdim=True).sqrt()  # my answer, eps left out\n\n\n"
-                  "print(exercises.check_rms_norm(my_rms_norm))")
+# 04b's first exercise answered by a learner who forgot the eps; Run All then runs the folded solution after it.
+WRONG_RMS_NORM = ("@lab.mine\n"
+                  "def my_rms_norm(x, weight, eps):\n"
+                  "    return weight * x / x.pow(2).mean(-1, keepdim=True).sqrt()  # my answer, eps left out\n")
 KEPT_PROBE = ('print("learner\'s answer kept:", not exercises.check_rms_norm(my_rms_norm).ok, '
-              '"solution_my_rms_norm" in globals())')
+              '"eps left out" in lab.mine.path.read_text())')
 
 CASES = [
     # The tour: the logit-lens figure (the token boxes are plain HTML).
@@ -54,11 +54,12 @@ CASES = [
     # its own figure inside an Output widget): plotly in and out of widgets, and a widget round trip.
     pytest.param("04a_router.ipynb", Expect(plots=3, widgets=1, reopen=True), id="04a_router"),
     # The block by hand: two Mermaid diagrams; exercises as a learner sees them (a stub's verdict, a wrong answer's
-    # reason), run past their folded solutions: the learner's answer is kept and the solution's output stays folded.
+    # reason), run past their folded solutions: the learner's answer is kept in mine.py and the solution's output stays
+    # folded.
     pytest.param("04b_block.ipynb", Expect(plots=0, widgets=0, diagrams=2,
                                            texts=("✗ not written yet", "✗ RMSNorm: you forgot the eps",
                                                   "learner's answer kept: True True"),
-                                           answers=(("def my_rms_norm", WRONG_RMS_NORM),), probe=KEPT_PROBE),
+                                           answers=(("@lab.mine\ndef my_rms_norm", WRONG_RMS_NORM),), probe=KEPT_PROBE),
                  id="04b_block"),
 ]
 
@@ -201,6 +202,7 @@ REPORT = """(broken) => {""" + WIDGET_VIEWS + """
     }
     const areaText = Array.from(node.querySelectorAll('.jp-OutputArea')).map(o => o.innerText).join('\\n');
     out.broken = broken.filter(b => areaText.includes(b));
+    out.shown = areaText.slice(0, 2000);  // what the learner reads: printed text and rendered verdicts alike
     const shown = '.jp-OutputArea-output[data-mime-type*="stderr"], .jp-OutputArea-output[data-mime-type*="error"]';
     out.tracebacks = Array.from(node.querySelectorAll(shown))
       .map(e => e.innerText).filter(t => t.includes('Traceback')).map(t => t.slice(0, 800));
@@ -512,7 +514,7 @@ def test_notebook_runs_in_jupyterlab(lab, chromium, artifacts: Path, name: str, 
     diagrams = sum(c.get("diagrams", 0) for c in report["cells"])
     if diagrams < expect.diagrams:
         found.append(f"{diagrams} Mermaid diagrams drawn, expected at least {expect.diagrams}")
-    printed = ANSI.sub("", "\n".join(c.get("stdout", "") for c in report["cells"]))
+    printed = ANSI.sub("", "\n".join(c.get("stdout", "") + "\n" + c["shown"] for c in report["cells"]))
     found += [f"no cell printed {text!r}" for text in expect.texts if text not in printed]
     assert not found, f"{name} in JupyterLab ({artifacts / stem}.json, .png):\n  " + "\n  ".join(found)
 
