@@ -12,7 +12,8 @@ The reading path, in the order a forward runs it (a plain forward calls nothing 
     layers.py        Linear, RMSNorm, SwiGLU, and HookPoint (the identity a probe hangs on)
 
 Beside it: ``hooks.py`` (naming, selecting and attaching probes, ``run_with_cache``), ``activation_cache.py`` (what
-``run_with_cache`` recorded, and the residual-stream analyses), ``generate.py`` (decoding through the latent cache).
+``run_with_cache`` recorded, and the residual-stream analyses), ``generate.py`` (decoding through the latent cache),
+``devices.py`` (a device argument checked against the devices this machine has).
 ``speed/`` holds every module that exists only for speed, each called from the reading path in one line;
 ``model.speed = False`` turns them all off.
 """

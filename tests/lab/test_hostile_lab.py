@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k2lab.lab.settings import LabSettings
+from k2lab.lab.settings import LabSettings, load_model
 
 
 @pytest.mark.parametrize("env, named", [
@@ -49,3 +49,11 @@ def test_good_device_maps_pass():
     assert LabSettings(device_map={"layers.0": 0, "": torch.device("cpu")}).device_map["layers.0"] == 0
     assert [LabSettings(device_map=d).device_map for d in ("cpu", "cuda:1", 0)] == ["cpu", "cuda:1", 0]
     assert LabSettings.from_env({"K2LAB_EXPERT_BUDGET_GIB": "0.5"}).expert_budget_bytes == 2**29
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu"])
+def test_a_device_this_machine_lacks_is_named_when_the_model_loads(device):
+    """Settings may name a GPU node's device on a laptop (the notebook's parameter cell is written once); loading is
+    where a device this machine lacks is refused, with the field and the devices there are."""
+    with pytest.raises(ValueError, match=rf"device_map='{device}' is not available on this machine \(available here"):
+        load_model(LabSettings(device_map=device))

@@ -284,7 +284,11 @@ def test_a_loaded_cache_is_checked_against_its_config(nano, tmp_path):
     with pytest.raises(ValueError, match=r"layers.1.mlp.gate.hook_topk_idx is \(1, 3, 4\), but the saved config makes "
                                          r"it \(1, 3, 2\)"):
         ActivationCache.load(folder)
-    (folder / "activations.safetensors").write_bytes(b"not a tensor file")
+    tensors = folder / "activations.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:-100])  # a copy cut short
+    with pytest.raises(ValueError, match="cannot be read as safetensors"):
+        ActivationCache.load(folder)
+    tensors.write_bytes(b"not a tensor file")
     with pytest.raises(ValueError, match="cannot be read as safetensors"):
         ActivationCache.load(folder)
 
