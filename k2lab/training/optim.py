@@ -15,7 +15,7 @@ from ..model.moe import MoE
 from ..model.transformer import K2Model
 
 # Quintic Newton-Schulz coefficients (Keller Jordan's Muon): five steps push every singular value near 1.
-_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NEWTON_SCHULZ_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
 def native_bfloat16(device: torch.device | str) -> bool:
@@ -38,7 +38,7 @@ def newton_schulz(grad: torch.Tensor, steps: int = 5, eps: float = 1e-7,
     elsewhere. The result comes back in ``grad``'s dtype."""
     if dtype is None:
         dtype = torch.bfloat16 if native_bfloat16(grad.device) else torch.float32
-    a, b, c = _NS_COEFFS
+    a, b, c = NEWTON_SCHULZ_COEFFS
     x = (grad / (grad.norm(dim=(-2, -1), keepdim=True) + eps)).to(dtype)  # spectral norm <= 1: it converges
     wide = x.shape[-2] > x.shape[-1]
     if wide:

@@ -9,7 +9,7 @@ import torch
 
 from ...config import K2Config
 from ...model.transformer import K2Model
-from ...training.optim import _NS_COEFFS, balance_router_bias, newton_schulz, qk_clip
+from ...training.optim import NEWTON_SCHULZ_COEFFS, balance_router_bias, newton_schulz, qk_clip
 from .checking import Verdict, Watch, as_tensor, call, checker, compare, generator, named
 
 # --- the bias update ----------------------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def check_bias_update(fn: Callable) -> Verdict:
 # --- Newton-Schulz ------------------------------------------------------------------------------------------------
 
 
-def _newton_schulz_variant(g: torch.Tensor, steps: int, coeffs: tuple[float, float, float] = _NS_COEFFS,
+def _newton_schulz_variant(g: torch.Tensor, steps: int, coeffs: tuple[float, float, float] = NEWTON_SCHULZ_COEFFS,
                            norm: str | None = "fro", cubic: bool = False) -> torch.Tensor:
     """Muon's iteration with a switch for each usual mistake (the defaults are the right one; ``norm`` "fro",
     2 for the spectral norm, None for none), in float64 so that each mistake's answer is exact."""
@@ -142,7 +142,7 @@ def check_newton_schulz(fn: Callable) -> Verdict:
             ("you divided by the spectral norm; Muon divides by the Frobenius norm (cheap, and never smaller)",
              _newton_schulz_variant(g, steps, norm=2)),
             ("the coefficients are in the wrong order: a X + (b A + c A^2) X with (a, b, c) = (3.4445, -4.7750, "
-             "2.0315)", _newton_schulz_variant(g, steps, coeffs=_NS_COEFFS[::-1])),
+             "2.0315)", _newton_schulz_variant(g, steps, coeffs=NEWTON_SCHULZ_COEFFS[::-1])),
             ("that is the exact U V^T of an SVD; Newton-Schulz only lands the singular values in a band around 1",
              (lambda u, _, vh: u @ vh)(*torch.linalg.svd(g.double(), full_matrices=False))),
             ("you transposed the tall matrix but not the result back", expected.mT),
