@@ -27,35 +27,24 @@ def _bytes_of(piece: bytes) -> list[bytes]:
     return [piece[i: i + 1] for i in range(len(piece))]
 
 
-def _first_pair_bpe(ranks: Ranks, piece: bytes) -> list[bytes]:
-    parts = _bytes_of(piece)
-    while True:
-        mergeable = [i for i in range(len(parts) - 1) if parts[i] + parts[i + 1] in ranks]
-        if not mergeable:
-            return parts
-        i = mergeable[0]
-        parts[i: i + 2] = [parts[i] + parts[i + 1]]
+def _merge_while(choose: Callable[[Ranks, list[bytes], list[int]], int]) -> Callable[[Ranks, bytes], list[bytes]]:
+    """A BPE that merges, while any adjacent pair is in the ranks, the pair at the index ``choose(ranks, parts,
+    mergeable)`` picks among the mergeable pairs' indices: the right rule and each wrong one differ only there."""
+    def bpe(ranks: Ranks, piece: bytes) -> list[bytes]:
+        parts = _bytes_of(piece)
+        while mergeable := [i for i in range(len(parts) - 1) if parts[i] + parts[i + 1] in ranks]:
+            i = choose(ranks, parts, mergeable)
+            parts[i: i + 2] = [parts[i] + parts[i + 1]]
+        return parts
+    return bpe
 
 
-def _highest_rank_bpe(ranks: Ranks, piece: bytes) -> list[bytes]:
-    parts = _bytes_of(piece)
-    while True:
-        pairs = [(ranks[parts[i] + parts[i + 1]], i) for i in range(len(parts) - 1) if parts[i] + parts[i + 1] in ranks]
-        if not pairs:
-            return parts
-        _, i = max(pairs)
-        parts[i: i + 2] = [parts[i] + parts[i + 1]]
-
-
-def _rightmost_tie_bpe(ranks: Ranks, piece: bytes) -> list[bytes]:
-    parts = _bytes_of(piece)
-    while True:
-        pairs = [(ranks[parts[i] + parts[i + 1]], i) for i in range(len(parts) - 1) if parts[i] + parts[i + 1] in ranks]
-        if not pairs:
-            return parts
-        lowest = min(rank for rank, _ in pairs)
-        i = max(i for rank, i in pairs if rank == lowest)
-        parts[i: i + 2] = [parts[i] + parts[i + 1]]
+_first_pair_bpe = _merge_while(lambda ranks, parts, mergeable: mergeable[0])
+_highest_rank_bpe = _merge_while(lambda ranks, parts, mergeable: max(mergeable, key=lambda i: (
+    ranks[parts[i] + parts[i + 1]], i)))
+_rightmost_tie_bpe = _merge_while(lambda ranks, parts, mergeable: max(mergeable, key=lambda i: (
+    -ranks[parts[i] + parts[i + 1]], i)))
+_left_part_bpe = _merge_while(lambda ranks, parts, mergeable: min(mergeable, key=lambda i: (ranks[parts[i]], i)))
 
 
 def _one_merge_bpe(ranks: Ranks, piece: bytes) -> list[bytes]:
@@ -74,16 +63,6 @@ def _longest_match(ranks: Ranks, piece: bytes) -> list[bytes]:
         parts.append(piece[start:end])
         start = end
     return parts
-
-
-def _left_part_bpe(ranks: Ranks, piece: bytes) -> list[bytes]:
-    parts = _bytes_of(piece)
-    while True:
-        pairs = [(ranks[parts[i]], i) for i in range(len(parts) - 1) if parts[i] + parts[i + 1] in ranks]
-        if not pairs:
-            return parts
-        _, i = min(pairs)
-        parts[i: i + 2] = [parts[i] + parts[i + 1]]
 
 
 def _local_minima_bpe(ranks: Ranks, piece: bytes) -> list[bytes]:
