@@ -131,18 +131,20 @@ def mla_absorbed(w, cfg, x, cos, sin, scale=None):
 # --- the whole K2 from its state dict, with the learner's pieces (09) ----------------------------------------
 
 
-def yarn_frequencies(cfg):
-    """YaRN's inverse frequencies [R/2], as the learner writes them in 02."""
+def yarn(cfg, log=math.log):
+    """YaRN's inverse frequencies [R/2] and softmax scale, as the learner writes them in 02 (``log=math.log10``: the
+    slip of the wrong logarithm)."""
     R, theta, factor = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor
-    base = 1.0 / theta ** (torch.arange(0, R, 2).float() / R)
+    base = 1.0 / theta ** (torch.arange(0, R, 2).double() / R)
 
     def d(beta):
-        return R * math.log(cfg.original_max_position_embeddings / (2 * math.pi * beta)) / (2 * math.log(theta))
+        return R * log(cfg.original_max_position_embeddings / (2 * math.pi * beta)) / (2 * math.log(theta))
 
     low, high = max(math.floor(d(cfg.beta_fast)), 0), min(math.ceil(d(cfg.beta_slow)), R - 1)
     high = high + 0.001 if high == low else high
-    ramp = ((torch.arange(R // 2).float() - low) / (high - low)).clamp(0, 1)
-    return base / factor * ramp + base * (1 - ramp)
+    ramp = ((torch.arange(R // 2).double() - low) / (high - low)).clamp(0, 1)
+    m = 0.1 * cfg.mscale_all_dim * math.log(factor) + 1
+    return base / factor * ramp + base * (1 - ramp), cfg.qk_head_dim**-0.5 * m**2
 
 
 def swiglu(x, gate, up, down):
@@ -172,7 +174,7 @@ def k2(sd, cfg, ids, router=route, final_norm=True, tied=False, attention=mla):
     """The whole K2 from its state dict, with the learner's pieces (``attention``: their MLA from its weights)."""
     x = sd["embed_tokens.weight"][ids]
     T = ids.shape[1]
-    angles = torch.arange(T).float()[:, None] * yarn_frequencies(cfg)  # the learner's own YaRN, from exercise 2
+    angles = torch.arange(T).float()[:, None] * yarn(cfg)[0].float()  # the learner's own YaRN, from exercise 2
     angles = torch.cat([angles, angles], dim=-1)  # YaRN's factor on cos and sin is 1 for K2's mscale settings
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."

@@ -8,25 +8,10 @@ import math
 from collections import Counter
 
 import torch
-from learner import byte_sequences, count_pairs, fails_with, learn_merges, merge_pair, pairs_in, passes
+from learner import byte_sequences, count_pairs, fails_with, learn_merges, merge_pair, pairs_in, passes, yarn
 
 from k2lab import viz
 from k2lab.lab import exercises as ex
-
-
-def yarn(cfg):
-    """YaRN's inverse frequencies and softmax scale, right."""
-    R, theta, factor = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor
-    base = 1.0 / theta ** (torch.arange(0, R, 2).double() / R)
-
-    def d(beta):
-        return R * math.log(cfg.original_max_position_embeddings / (2 * math.pi * beta)) / (2 * math.log(theta))
-
-    low, high = max(math.floor(d(cfg.beta_fast)), 0), min(math.ceil(d(cfg.beta_slow)), R - 1)
-    high = high + 0.001 if high == low else high
-    ramp = ((torch.arange(R // 2).double() - low) / (high - low)).clamp(0, 1)
-    m = 0.1 * cfg.mscale_all_dim * math.log(factor) + 1
-    return base / factor * ramp + base * (1 - ramp), cfg.qk_head_dim**-0.5 * m**2
 
 
 def rms_norm(x, weight, eps):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from learner import NOT_AN_ANSWER, byte_sequences, fails_with, k2, learn_merges, mla, mla_inputs, passes
 from learner import route as route_by_config
+from learner import yarn as learner_yarn
 
 from k2lab.lab import exercises as ex
 
@@ -491,20 +492,6 @@ def mla_scaled_after_softmax(w, cfg, x, cos, sin):
     return torch.einsum("bhts,bshv->bthv", pattern, kv[..., N:]).flatten(2) @ w["o_proj.weight"].T
 
 
-def yarn_log10(cfg):
-    R, theta, factor = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor
-    base = 1.0 / theta ** (torch.arange(0, R, 2).double() / R)
-
-    def d(beta):
-        return R * math.log10(cfg.original_max_position_embeddings / (2 * math.pi * beta)) / (2 * math.log(theta))
-
-    low, high = max(math.floor(d(cfg.beta_fast)), 0), min(math.ceil(d(cfg.beta_slow)), R - 1)
-    high = high + 0.001 if high == low else high
-    ramp = ((torch.arange(R // 2).double() - low) / (high - low)).clamp(0, 1)
-    m = 0.1 * cfg.mscale_all_dim * math.log(factor) + 1
-    return base / factor * ramp + base * (1 - ramp), cfg.qk_head_dim**-0.5 * m**2
-
-
 def ns_wide_transposed(G, steps):
     a, b, c = 3.4445, -4.7750, 2.0315
     X = G / (G.norm() + 1e-7)
@@ -583,7 +570,7 @@ HELD_OUT_2 = [
     (ex.check_absorbed_score, lambda qn, qp, ckv, kp, wuk, sc: sc * (
         torch.einsum("thn,hnc->htc", qn, wuk) @ ckv.T + torch.einsum("tr,sr->ts", qp.sum(1), kp)[None])),
     (ex.check_mla_forward, mla_scaled_after_softmax),
-    (ex.check_yarn_frequencies, yarn_log10),
+    (ex.check_yarn_frequencies, lambda cfg: learner_yarn(cfg, log=math.log10)),  # the wrong logarithm
     (ex.check_newton_schulz, ns_wide_transposed),
     (ex.check_qk_clip, lambda h, m, t: {p: v * {"q_nope": min(1, t / m) ** 0.5, "k_pe": min(1, t / m) ** 0.5,
                                                 "q_pe": min(1, t / m)}.get(p, 1.0) for p, v in h.items()}),

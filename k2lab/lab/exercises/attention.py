@@ -14,7 +14,7 @@ from ...config import K2Config
 from ...model import MultiHeadLatentAttention
 from ...model.attention import apply_rotary, causal_mask
 from ...model.rope import cos_sin_scale, inverse_frequencies
-from .checking import Verdict, Watch, as_tensor, call, checker, compare, generator, named, same
+from .checking import Verdict, Watch, as_tensor, call, checker, compare, generator, gives, named
 
 BUILT_KEYS = ("you built each head's keys k_nope = W_UK c_KV; the absorbed form never expands the latent: fold W_UK "
               "into the query, (W_UK^T q_nope) · c_KV")
@@ -92,8 +92,7 @@ def check_absorbed_score(fn: Callable) -> Verdict:
     for zeroed, good, bad in ((1, "content", "rotary"), (0, "rotary", "content")):
         args = [q_nope.clone(), q_pe.clone(), c_kv.clone(), k_pe.clone(), w_uk.clone(), scale]
         args[zeroed] = torch.zeros_like(args[zeroed])  # q_pe zero: the content part alone; q_nope zero: the rotary
-        alone, error = call(fn, *args, keep=False)
-        if error is None and as_tensor(alone) is not None and same(as_tensor(alone), parts[good][1], 1e-4, 1e-4):
+        if gives(fn, args, parts[good][1], atol=1e-4):
             return named(f"your {parts[good][0]} is right (run alone, the other query zeroed), so your "
                          f"{parts[bad][0]}, is wrong ([H, T, S]: rows t, columns s)", "absorbed score")
     return verdict

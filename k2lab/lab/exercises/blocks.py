@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ...config import K2Config
 from ...model.layers import RMSNorm, SwiGLU
 from ...model.moe import Router
-from .checking import Verdict, as_tensor, call, checker, compare, generator, named, same, scales_with
+from .checking import Verdict, as_tensor, call, checker, compare, generator, gives, named, same, scales_with
 
 # --- 04: the router's five stages ---------------------------------------------------------------------------------
 
@@ -261,8 +261,7 @@ def check_moe_combine(fn: Callable) -> Verdict:
                "is the shared expert, which is right, so the routed part is wrong: the sum over the k slots of "
                "weight * expert output")]
     for args, right, message in probes:
-        alone, error = call(fn, *args, keep=False)
-        if error is None and as_tensor(alone) is not None and same(as_tensor(alone), right, 1e-5, 1e-4):
+        if gives(fn, args, right):
             return named(message, "MoE combine")
     return verdict
 
@@ -327,7 +326,6 @@ def check_block(fn: Callable) -> Verdict:
                   ((x, n1, zero, n2, ffn), x + ffn(n2(x)), "with attention returning zeros your block is right, so "
                    "the attention half is wrong: h = x + attn(input_norm(x)), the residual kept")]
         for args, right, message in halves:
-            alone, error = call(fn, *args, keep=False)
-            if error is None and as_tensor(alone) is not None and same(as_tensor(alone), right, 1e-5, 1e-4):
+            if gives(fn, args, right):
                 return named(message, "pre-norm block")
         return verdict

@@ -425,6 +425,13 @@ def scales_with(fn: Callable, args: Sequence[Any], index: int, out: Any, factor:
     return same(second, first * factor, atol + rtol * factor * first.double().abs().max().item(), rtol)
 
 
+def gives(fn: Callable, args: Sequence[Any], expected: torch.Tensor, atol: float = 1e-5, rtol: float = 1e-4) -> bool:
+    """Whether the learner's ``fn(*args)`` runs and returns ``expected``: with one part of the inputs switched off (a
+    zero), a wrong answer that comes out right there has that part right, so the mistake is in the other."""
+    out, error = call(fn, *args, keep=False)
+    return error is None and as_tensor(out) is not None and same(as_tensor(out), expected, atol, rtol)
+
+
 def same(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> bool:
     """Whether ``a`` and ``b`` have one shape and agree to ``atol``/``rtol`` (compared in float64)."""
     return a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=atol, rtol=rtol)
